@@ -1,0 +1,42 @@
+"""macroflow: parallel objects and run-time macro dataflow for Python.
+
+Layers, bottom up (see docs/guide.md):
+  transport  protocol modules that move frames between contexts (local, inproc)
+  core       contexts' progress engines, lightweight threads, futures,
+             global pointers, remote service requests, marshalling, placement
+  objects    Mentat's persistent and regular parallel objects and dataflow
+  launch     run / init / shutdown, and the `macroflow` command
+Everything public is re-exported here; nothing else lives in this file.
+"""
+
+from .core.errors import CallError as CallError
+from .core.errors import ContextLost as ContextLost
+from .core.errors import DeadlockError as DeadlockError
+from .core.errors import MacroflowError as MacroflowError
+from .core.errors import ObjectDestroyed as ObjectDestroyed
+from .core.errors import RemoteError as RemoteError
+from .core.errors import RemoteTraceback as RemoteTraceback
+from .core.errors import TimeoutError as TimeoutError
+from .core.future import Future as Future
+from .core.gptr import GlobalPointer as GlobalPointer
+from .core.placement import Placement as Placement
+from .core.rsr import export as export
+from .core.rsr import rsr as rsr
+from .core.rsr import unexport as unexport
+from .launch import Session as Session
+from .launch import init as init
+from .launch import run as run
+from .launch import shutdown as shutdown
+from .objects.dataflow import context_id as context_id
+from .objects.dataflow import gather as gather
+from .objects.dataflow import num_contexts as num_contexts
+from .objects.dataflow import stats as stats
+from .objects.dataflow import wait as wait
+from .objects.persistent import PersistentHandle as PersistentHandle
+from .objects.persistent import RegularHandle as RegularHandle
+from .objects.persistent import guard as guard
+from .objects.persistent import persistent as persistent
+from .objects.persistent import regular as regular
+from .objects.persistent import rtf as rtf
+
+__version__ = "0.1.0"

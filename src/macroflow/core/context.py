@@ -1,0 +1,952 @@
+"""The context: one address space's progress engine, object table and dataflow.
+
+This module is the hot path. A call becomes one frame (one pickle, one send);
+on arrival it is matched with its argument tokens (Mentat's token matching, by
+computation tag) and run in a pooled greenlet; its result is pickled once and
+kept here, and sent only to the contexts that asked for it (arcs and
+``result()``). Everything a model needs goes through :class:`Engine`.
+
+Message opcodes (the first item of every header):
+
+========  ==============================================================
+CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, hops)
+VALUE     a value for a label: (op, label, ok, data, buffers)
+FORWARD   send the value of fid, when known, to dest under label
+RELEASE   the issuer dropped these futures; their values may go
+RSR       remote service request: (op, gid, handler, args, thread)
+SHUTDOWN  leave the progress loop
+========  ==============================================================
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import pickle
+import sys
+import time
+import traceback
+import weakref
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from . import errors, marshal
+from .future import FINISHED, PENDING, Future
+from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
+from .stats import Counters
+
+CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN = range(6)
+
+# kinds of call targets
+PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
+
+DESTROY = "__mf_destroy__"
+_TIMEOUT = object()
+
+
+class Arc:
+    """Placeholder for a future's value inside call arguments (a dataflow arc)."""
+
+    __slots__ = ("fid",)
+
+    def __init__(self, fid):
+        self.fid = fid
+
+    def __reduce__(self):
+        return (Arc, (self.fid,))
+
+
+class Call:
+    """One invocation at the context that runs it (Mentat's computation instance)."""
+
+    __slots__ = ("fid", "kind", "target", "method", "args", "kwargs", "arcs", "hops",
+                 "caller", "missing", "tokens", "obj", "answered", "pinned")
+
+    def __init__(self, fid, kind, target, method, args, kwargs, arcs, hops, caller):
+        self.fid = fid
+        self.kind = kind
+        self.target = target
+        self.method = method
+        self.args = args
+        self.kwargs = kwargs
+        self.arcs = arcs
+        self.hops = hops
+        self.caller = caller
+        self.missing = 0
+        self.tokens: Optional[Dict[Any, Any]] = None
+        self.obj: Any = None
+        self.answered = False  # rtf already gave the result
+        self.pinned = False
+
+
+class Slot:
+    """A result held at its home: pending, done (pickled once), or aliased elsewhere."""
+
+    __slots__ = ("state", "ok", "data", "bufs", "subs", "alias", "keep", "released")
+
+    def __init__(self):
+        self.state = PENDING
+        self.ok = True
+        self.data: Any = None
+        self.bufs: List[Any] = []
+        self.subs: List[Tuple[int, Any]] = []
+        self.alias: Optional[Tuple[Any, int]] = None
+        self.keep: Any = None
+        self.released = False
+
+
+class HostedObject:
+    """A persistent object living in this context: a monitor with a call queue."""
+
+    __slots__ = ("oid", "cls", "instance", "queue", "busy", "state", "error", "label")
+
+    def __init__(self, oid, label):
+        self.oid = oid
+        self.cls = None
+        self.instance = None
+        self.queue: Deque[Call] = deque()
+        self.busy = False
+        self.state = "new"  # new -> live | broken -> destroyed
+        self.error: Optional[BaseException] = None
+        self.label = label
+
+
+def _describe(target, method) -> str:
+    cls = target[1] if isinstance(target, tuple) and len(target) > 1 else None
+    name = getattr(cls, "__qualname__", None) or "object"
+    return f"{name}.{method}" if method else name
+
+
+def format_remote(exc: BaseException, ctx: int) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return f'Traceback from context {ctx}:\n{tb}'
+
+
+class Engine:
+    """The progress engine and object table of one context.
+
+    Users never build one: :func:`macroflow.run` and :func:`macroflow.init` do.
+    ``current_engine()`` returns the one serving the running code.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     mf.context_id(), mf.num_contexts()
+        (0, 1)
+    """
+
+    def __init__(self, ctx: int, size: int, transport: Any, placement: Any, root=None):
+        self.id = ctx
+        self.size = size
+        self.transport = transport
+        self.placement = placement
+        self.root = root if root is not None else getcurrent()
+        self.pool = Pool(self, self.root)
+        self.inbox: Deque[Tuple[int, List[Any], int]] = deque()
+        self.ready: Deque[Any] = deque()
+        self.timers: List[Tuple[float, int, Waiter]] = []
+        self.seq = itertools.count(1)
+        self.slots: Dict[Any, Slot] = {}
+        self.tokens: Dict[Any, Tuple[bool, Any]] = {}
+        self.awaiting: Dict[Any, Call] = {}
+        self.asked: Dict[Any, Future] = {}  # futures waiting for a value from their home
+        self.adopted: Dict[Any, Any] = {}  # weak map fid -> Future for futures received by value
+        self.objects: Dict[Any, HostedObject] = {}
+        self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
+        self.regular_pool: Dict[Any, List[Any]] = {}
+        self.releases: Dict[int, List[Any]] = {}
+        self.lost: Dict[int, str] = {}
+        self.loads = [0] * size
+        self.active = 0  # calls received here and not finished: the local load
+        self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
+        self.stopping = False
+        self.in_inline = False
+        self.stats = Counters()
+        self.driver: Any = self  # inproc replaces this with its world
+        self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
+        self.on_stop: List[Callable[[], None]] = []
+        if transport is not None:
+            transport.attach(self.deliver, self.peer_lost)
+
+    # ------------------------------------------------------------------ sending
+    def load(self) -> int:
+        return self.active + self.base_load
+
+    def send(self, dest: int, header: tuple) -> None:
+        data, bufs = marshal.dumps(header)
+        self.send_frame(dest, [data, *bufs])
+
+    def send_frame(self, dest: int, parts: List[Any]) -> None:
+        if dest == self.id:
+            # call-by-value holds for calls to one's own context too
+            self.inbox.append((dest, [bytes(parts[0])] + [bytearray(_raw(p)) for p in parts[1:]],
+                               self.load()))
+            return
+        if dest in self.lost:
+            return
+        try:
+            n = self.transport.send(dest, parts, self.load())
+        except ConnectionError:
+            return  # peer_lost has been (or will be) called with the reason
+        st = self.stats
+        st.messages_sent += 1
+        st.bytes_sent += n
+
+    def deliver(self, src: int, bufs: List[Any], load: int) -> None:
+        self.inbox.append((src, bufs, load))
+        st = self.stats
+        st.messages_received += 1
+        st.bytes_received += 8 + 8 * len(bufs) + sum(len(b) for b in bufs)
+
+    # ------------------------------------------------------------------ issuing
+    def new_fid(self):
+        return (self.id, next(self.seq))
+
+    def issue(self, kind: str, target: Any, method: Optional[str], args: tuple, kwargs: dict,
+              dest: int, label: str = "", oid: Any = None, pinned: bool = False,
+              fid: Any = None) -> Future:
+        # the last header field packs (transfers so far << 1) | pinned-by-on=
+        """Send a call to ``dest`` and return its future at once."""
+        if fid is None:
+            fid = self.new_fid()
+        arcs = None
+        if args or kwargs:
+            args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
+        route = ((1 if dest != self.id else 0) << 1) | (1 if pinned else 0)
+        header = (CALL, fid, kind, target, method, args, kwargs, arcs, route)
+        try:
+            data, bufs = marshal.dumps(header)
+        except marshal.PICKLE_ERRORS as e:
+            raise errors.CallError(
+                f"cannot send the arguments of {label or method}: {type(e).__name__}: {e}") from e
+        fut = Future(self, fid, dest, oid, label)
+        if dest in self.lost:
+            fut._set(False, errors.ContextLost(dest, self.lost[dest]))
+            return fut
+        self.stats.calls_issued += 1
+        if dest != self.id:
+            self.loads[dest] += 1
+        self.send_frame(dest, [data, *bufs])
+        return fut
+
+    def _make_arcs(self, args, kwargs, fid, dest):
+        found: Dict[Any, Future] = {}
+
+        def sub(x):
+            t = type(x)
+            if t is Future:
+                if x._state == FINISHED and x._exc is None:
+                    return x._value  # already here: pass the value itself
+                found[x._fid] = x
+                return Arc(x._fid)
+            if t is list:
+                return [sub(v) for v in x] if _has_future(x) else x
+            if t is tuple:
+                return tuple(sub(v) for v in x) if _has_future(x) else x
+            if t is dict:
+                return {k: sub(v) for k, v in x.items()} if _has_future(x.values()) else x
+            return x
+
+        if not (_has_future(args) or _has_future(kwargs.values())):
+            return args, kwargs, None
+        args = tuple(sub(a) for a in args)
+        kwargs = {k: sub(v) for k, v in kwargs.items()}
+        arcs = []
+        for afid, f in found.items():
+            if f._state == FINISHED:  # finished with an exception: send it as a token
+                arcs.append(((afid, fid), self.id))
+                self.send_error(dest, (afid, fid), f._exc)
+                continue
+            label = (afid, fid)
+            arcs.append((label, f._home))
+            self.forward(f, dest, label)
+        return args, kwargs, tuple(arcs)
+
+    def forward(self, f: Future, dest: int, label: Any) -> None:
+        if f._home in self.lost:
+            self.send_error(dest, label, errors.ContextLost(f._home, self.lost[f._home]))
+            return
+        if f._home == self.id:
+            self._on_forward(f._fid, dest, label)
+        else:
+            self.send(f._home, (FORWARD, f._fid, dest, label))
+
+    def request_value(self, f: Future) -> None:
+        """Ask a future's home for its value (once)."""
+        if f._asked or f._state == FINISHED:
+            return
+        f._asked = True
+        self.asked[f._fid] = f
+        self.forward(f, self.id, (f._fid, None))
+
+    def release(self, f: Future) -> None:
+        if f._home in self.lost:
+            return
+        self.releases.setdefault(f._home, []).append(f._fid)
+
+    def flush_releases(self) -> None:
+        if not self.releases:
+            return
+        rel, self.releases = self.releases, {}
+        for home, fids in rel.items():
+            if home == self.id:
+                self._on_release(fids)
+            else:
+                self.send(home, (RELEASE, fids))
+
+    def adopt_future(self, fid, home, target) -> Future:
+        f = self.adopted.get(fid)
+        if f is not None:
+            f = f()
+        if f is None:
+            f = Future(self, fid, home, target)
+            self.adopted[fid] = weakref.ref(f)
+        return f
+
+    # ------------------------------------------------------------------ waiting
+    def wait_future(self, f: Future, timeout: Optional[float]) -> None:
+        self.request_value(f)
+        if f._state == FINISHED:
+            return
+        w = getcurrent()
+        if isinstance(w, Worker):
+            call = w.call
+            if call is not None and call.obj is not None and f._target == call.obj.oid:
+                raise errors.DeadlockError(
+                    f"{call.obj.label}.{call.method} waits on a call to its own object "
+                    f"({f._label or 'a method'}); a persistent object runs one method at a "
+                    f"time, so that call can never start. Return the future instead "
+                    f"(elaboration) or restructure the method.")
+            waiter = Waiter(w.engine, w)
+            f._waiters.append(waiter)
+            if timeout is not None:
+                w.engine.add_timer(timeout, waiter)
+            r = w.engine.park()
+            if r is _TIMEOUT and f._state != FINISHED:
+                try:
+                    f._waiters.remove(waiter)
+                except ValueError:
+                    pass
+                raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
+            return
+        if self.in_inline:
+            raise errors.DeadlockError(
+                "an inline remote service request handler cannot wait; use thread='new'")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.driver.run_until(lambda: f._state == FINISHED, deadline):
+            raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
+
+    def park(self) -> Any:
+        """Switch from a worker back to the engine until a Waiter wakes it."""
+        return self.root.switch(PARKED)
+
+    def add_timer(self, timeout: float, waiter: Waiter) -> None:
+        heapq.heappush(self.timers, (time.monotonic() + timeout, id(waiter), waiter))
+
+    # ------------------------------------------------------------------ the loop
+    def run_until(self, pred: Callable[[], bool], deadline: Optional[float] = None) -> bool:
+        while not pred():
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return pred()
+            else:
+                left = None
+            self.step(left)
+        return True
+
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            self.step(None)
+
+    def busy(self) -> bool:
+        return bool(self.inbox or self.ready)
+
+    def step(self, timeout: Optional[float]) -> None:
+        if self.inbox or self.ready:
+            self.process()
+            return
+        self.flush_releases()
+        if self.timers:
+            left = self.timers[0][0] - time.monotonic()
+            timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
+        self.transport.poll(timeout)
+        self.process()
+
+    def process(self) -> None:
+        prev, _state.current = _state.current, self
+        try:
+            self._process()
+        finally:
+            _state.current = prev
+
+    def _process(self) -> None:
+        inbox = self.inbox
+        while inbox:
+            src, bufs, load = inbox.popleft()
+            self.loads[src] = load
+            try:
+                msg = marshal.loads(bufs[0], bufs[1:])
+            except Exception as e:
+                print(f"macroflow: context {self.id} could not decode a message from "
+                      f"context {src}: {e!r}", file=sys.stderr)
+                continue
+            self.dispatch(src, msg)
+        ready = self.ready
+        while ready:
+            w = ready.popleft()
+            self.resume(w.g, w.value)
+        if self.timers:
+            now = time.monotonic()
+            while self.timers and self.timers[0][0] <= now:
+                _, _, w = heapq.heappop(self.timers)
+                w.wake(_TIMEOUT)
+            if ready:
+                self._process()
+
+    def resume(self, g, value) -> None:
+        r = g.switch(value)
+        if r is DONE:
+            self.pool.put(g)
+
+    def spawn(self, fn, *args) -> None:
+        g = self.pool.get()
+        r = g.switch((fn, args))
+        if r is DONE:
+            self.pool.put(g)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, src: int, msg: tuple) -> None:
+        op = msg[0]
+        if op == CALL:
+            self._on_call(src, msg)
+        elif op == VALUE:
+            self._on_value(msg[1], msg[2], msg[3], msg[4])
+        elif op == FORWARD:
+            self._on_forward(msg[1], msg[2], msg[3])
+        elif op == RELEASE:
+            self._on_release(msg[1])
+        elif op == RSR:
+            self._on_rsr(msg)
+        elif op == SHUTDOWN:
+            self.stopping = True
+
+    def _on_call(self, src, msg) -> None:
+        _, fid, kind, target, method, args, kwargs, arcs, hops = msg
+        call = Call(fid, kind, target, method, args, kwargs, arcs, hops, src)
+        call.pinned = bool(hops & 1)
+        slot = self.slots.get(fid)
+        if slot is None:
+            self.slots[fid] = Slot()
+        if kind == REGULAR and not call.pinned and self._maybe_transfer(call, msg):
+            return
+        self.active += 1
+        if arcs:
+            tokens = self.tokens
+            for label, home in arcs:
+                if label in tokens:
+                    continue
+                if home in self.lost:
+                    tokens[label] = (False, errors.ContextLost(home, self.lost[home]))
+                    continue
+                self.awaiting[label] = call
+                call.missing += 1
+        if kind == PERSISTENT or kind == CREATE:
+            oid = target[0]
+            obj = self.objects.get(oid)
+            if obj is None:
+                obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
+            call.obj = obj
+            if kind == CREATE:
+                obj.cls = target[1]
+                obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
+                obj.queue.appendleft(call)
+            else:
+                obj.queue.append(call)
+            self._pump(obj)
+        elif call.missing == 0:
+            self.spawn(self._run_free, call)
+
+    def _maybe_transfer(self, call: Call, msg: tuple) -> bool:
+        pl = self.placement
+        hops = msg[8] >> 1
+        if hops >= pl.transfer_limit or self.load() < pl.threshold:
+            return False
+        dest = pl.choose(self, exclude=self.id)
+        if dest is None or dest == self.id:
+            return False
+        slot = self.slots[call.fid]
+        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 1),)
+        self.loads[dest] += 1
+        self.stats.calls_transferred += 1
+        self.send(dest, fwd)
+        self._alias(call.fid, slot, call.fid, dest, None)
+        return True
+
+    def _pump(self, obj: HostedObject) -> None:
+        if obj.busy:
+            return
+        call = self._pick(obj)
+        if call is not None:
+            obj.busy = True
+            self.spawn(self._run_object, obj, call)
+
+    def _pick(self, obj: HostedObject) -> Optional[Call]:
+        q = obj.queue
+        if not q:
+            return None
+        head = q[0]
+        if obj.state == "new":
+            # nothing runs before the constructor, which may still be on its way
+            return q.popleft() if head.kind == CREATE and head.missing == 0 else None
+        if head.missing == 0 and (obj.state != "live" or head.method == DESTROY or
+                                  getattr(getattr(obj.cls, head.method, None), "__mf_guard__", None) is None):
+            return q.popleft()
+        blocked = set()
+        for i, call in enumerate(q):
+            if call.caller in blocked:
+                continue
+            if call.missing:
+                blocked.add(call.caller)
+                continue
+            guard = meth = None
+            if obj.state == "live" and call.method != DESTROY and call.kind != CREATE:
+                meth = getattr(obj.cls, call.method, None)
+                guard = getattr(meth, "__mf_guard__", None)
+            if guard is not None:
+                try:
+                    if meth.__mf_guard_args__:
+                        ok = guard(obj.instance, *self._fill(call.args, call), **self._fill_kw(call))
+                    else:
+                        ok = guard(obj.instance)
+                except BaseException as e:  # a failing guard fails its call
+                    del q[i]
+                    self._finish(call, False, e)
+                    return self._pick(obj)
+                if not ok:
+                    continue  # later calls whose guards hold may pass this one
+            del q[i]
+            return call
+        return None
+
+    def _run_object(self, obj: HostedObject, call: Call) -> None:
+        g = getcurrent()
+        while call is not None:
+            g.call = call
+            self._execute_on_object(obj, call)
+            g.call = None
+            call = self._pick(obj)
+        obj.busy = False
+
+    def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
+        if call.kind == CREATE:
+            cls = call.target[1]
+            try:
+                args, kwargs = self._args(call)
+                inst = cls.__new__(cls)
+                inst.__init__(*args, **kwargs)
+            except BaseException as e:
+                obj.state, obj.error = "broken", e
+                self._finish(call, False, e)
+                return
+            obj.instance = inst
+            obj.state = "live"
+            self._finish(call, True, None)
+            return
+        if obj.state != "live":
+            if obj.state == "broken":
+                err = errors.ObjectDestroyed(f"{obj.label} could not be created: "
+                                             f"{type(obj.error).__name__}: {obj.error}")
+                err.__cause__ = obj.error
+            else:
+                err = errors.ObjectDestroyed(f"{obj.label} was destroyed; "
+                                             f"{call.method}() cannot run")
+            self._finish(call, False, err)
+            return
+        if call.method == DESTROY:
+            obj.state = "destroyed"
+            inst, obj.instance = obj.instance, None
+            hook = getattr(inst, "__mf_destroy__", None)
+            self._finish(call, True, None)
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:
+                    traceback.print_exc()
+            return
+        self._invoke(getattr(obj.instance, call.method, None), call)
+
+    def _run_free(self, call: Call) -> None:
+        g = getcurrent()
+        g.call = call
+        if call.kind == REGULAR:
+            cls, cargs, ckw = call.target
+            key = (cls, marshal.dumps((cargs, ckw))[0]) if (cargs or ckw) else cls
+            free = self.regular_pool.get(key)
+            inst = free.pop() if free else None
+            if inst is None:
+                try:
+                    inst = cls.__mf_new__(cls)
+                    inst.__init__(*cargs, **ckw)
+                except BaseException as e:
+                    self._finish(call, False, e)
+                    return
+                self.stats.instances_created += 1
+            try:
+                self._invoke(getattr(inst, call.method, None), call)
+            finally:
+                self.regular_pool.setdefault(key, []).append(inst)
+        elif call.kind == SYSTEM:
+            self._invoke(SYSTEM_CALLS.get(call.method), call, self)
+
+    def _invoke(self, fn, call: Call, *pre) -> None:
+        if fn is None:
+            self._finish(call, False, errors.CallError(f"no method {call.method!r}"))
+            return
+        try:
+            args, kwargs = self._args(call)
+            value = fn(*pre, *args, **kwargs)
+        except BaseException as e:
+            self.stats.calls_executed += 1
+            self._finish(call, False, e)
+            return
+        self.stats.calls_executed += 1
+        self._finish(call, True, value)
+
+    def _args(self, call: Call):
+        if not call.arcs:
+            return call.args, call.kwargs
+        args = self._fill(call.args, call)
+        kwargs = self._fill_kw(call)
+        return args, kwargs
+
+    def _fill_kw(self, call: Call):
+        if not call.arcs or not call.kwargs:
+            return call.kwargs
+        return {k: _subst(v, call, self) for k, v in call.kwargs.items()}
+
+    def _fill(self, args, call: Call):
+        if not call.arcs:
+            return args
+        return tuple(_subst(a, call, self) for a in args)
+
+    # ------------------------------------------------------------------ results
+    def _pickle_value(self, ok: bool, value: Any):
+        if not ok:
+            value = _portable_exception(value, self.id)
+        try:
+            data, bufs = marshal.dumps(value)
+        except marshal.PICKLE_ERRORS as e:
+            if ok:
+                err = errors.CallError(f"the result ({type(value).__name__}) could not be pickled: {e}")
+            else:
+                err = errors.RemoteError(f"{type(value).__module__}.{type(value).__qualname__}",
+                                         str(value))
+                err.__cause__ = errors.RemoteTraceback(getattr(value, "__mf_tb__", ""))
+            data, bufs = marshal.dumps(_portable_exception(err, self.id))
+            ok = False
+        return ok, pickle.PickleBuffer(data), [pickle.PickleBuffer(b) for b in bufs]
+
+    def send_error(self, dest: int, label, exc: BaseException) -> None:
+        self.send(dest, (VALUE, label, *self._pickle_value(False, exc)))
+
+    def answer(self, call: Call, value: Any) -> None:
+        """Give ``call`` its result now (return-to-future); the method goes on."""
+        if call.answered:
+            raise RuntimeError("rtf() was already called in this method")
+        self._finish(call, True, value, keep_running=True)
+
+    def _finish(self, call: Call, ok: bool, value: Any, keep_running: bool = False) -> None:
+        if not keep_running:
+            self.active -= 1
+            if call.tokens:
+                call.tokens = None
+        if call.answered:
+            if not ok:
+                traceback.print_exception(type(value), value, value.__traceback__)
+            return
+        call.answered = True
+        if not ok and isinstance(value, BaseException) and not hasattr(value, "__mf_tb__"):
+            try:
+                value.__mf_tb__ = format_remote(value, self.id)
+            except Exception:
+                pass
+        slot = self.slots.get(call.fid)
+        if slot is None:
+            slot = self.slots[call.fid] = Slot()
+        if ok and type(value) is Future:
+            if value._state == FINISHED:
+                ok, value = (value._exc is None), (value._value if value._exc is None else value._exc)
+            else:
+                self._alias(call.fid, slot, value._fid, value._home, value)
+                return
+        self._complete(call.fid, slot, *self._pickle_value(ok, value))
+
+    def _complete(self, fid, slot: Slot, ok, data, bufs) -> None:
+        slot.state = FINISHED
+        slot.ok, slot.data, slot.bufs = ok, data, bufs
+        subs, slot.subs = slot.subs, []
+        for dest, label in subs:
+            self._send_value(dest, label, slot)
+        if slot.released:
+            self.slots.pop(fid, None)
+
+    def _send_value(self, dest: int, label, slot: Slot) -> None:
+        self.stats.values_sent += 1
+        self.send(dest, (VALUE, label, slot.ok, slot.data, slot.bufs))
+
+    def _alias(self, fid, slot: Slot, to_fid, home: int, keep: Any) -> None:
+        # Elaboration and transfer: the value will come from elsewhere; pass
+        # every request for it on, so no thread here waits for it.
+        slot.alias = (to_fid, home)
+        slot.keep = keep
+        subs, slot.subs = slot.subs, []
+        for dest, label in subs:
+            self._relay(to_fid, home, dest, label)
+
+    def _relay(self, to_fid, home, dest, label) -> None:
+        if home == self.id:
+            self._on_forward(to_fid, dest, label)
+        elif home in self.lost:
+            self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
+        else:
+            self.send(home, (FORWARD, to_fid, dest, label))
+
+    def _on_forward(self, fid, dest, label) -> None:
+        slot = self.slots.get(fid)
+        if slot is None:
+            slot = self.slots[fid] = Slot()  # the call itself has not arrived yet
+        if slot.alias is not None:
+            self._relay(slot.alias[0], slot.alias[1], dest, label)
+        elif slot.state == FINISHED:
+            self._send_value(dest, label, slot)
+        else:
+            slot.subs.append((dest, label))
+
+    def _on_release(self, fids) -> None:
+        slots = self.slots
+        for fid in fids:
+            slot = slots.get(fid)
+            if slot is None:
+                continue
+            if slot.state == FINISHED or slot.alias is not None:
+                del slots[fid]
+            else:
+                slot.released = True
+
+    def _on_value(self, label, ok, data, bufs) -> None:
+        try:
+            value = marshal.loads(data, bufs)
+        except Exception as e:
+            ok, value = False, errors.CallError(f"a value could not be unpickled here: {e!r}")
+        if not ok:
+            value = _restore_exception(value)
+        if label[1] is None:
+            f = self.asked.pop(label[0], None)
+            if f is not None:
+                f._set(ok, value)
+            return
+        call = self.awaiting.pop(label, None)
+        if call is None:
+            self.tokens[label] = (ok, value)
+            return
+        self._token_arrived(call, label, ok, value)
+
+    def _token_arrived(self, call: Call, label, ok, value) -> None:
+        self.tokens[label] = (ok, value)
+        call.missing -= 1
+        if call.missing:
+            return
+        if call.obj is not None:
+            self._pump(call.obj)
+        else:
+            self.spawn(self._run_free, call)
+
+    # ------------------------------------------------------------------ RSR
+    def _on_rsr(self, msg) -> None:
+        _, gid, handler, args, thread = msg
+        target = self.resolve(gid)
+        if thread == "inline":
+            self.in_inline = True
+            try:
+                handler(target, *args)
+            except Exception:
+                traceback.print_exc()
+            finally:
+                self.in_inline = False
+            self.stats.rsr_executed += 1
+        else:
+            def run():
+                try:
+                    handler(target, *args)
+                except Exception:
+                    traceback.print_exc()
+                self.stats.rsr_executed += 1
+            self.spawn(run)
+
+    def resolve(self, gid) -> Any:
+        kind, ident = gid
+        if kind == "object":
+            obj = self.objects.get(ident)
+            return obj.instance if obj is not None else None
+        if kind == "export":
+            return self.exports.get(ident)
+        return self
+
+    # ------------------------------------------------------------------ lost peers
+    def peer_lost(self, peer: int, how: str) -> None:
+        if peer in self.lost or self.stopping:
+            return
+        how = self.describe_lost(peer) or how
+        self.lost[peer] = how
+        self.stats.contexts_lost += 1
+        if peer == 0 and self.id != 0:
+            # The main program is gone: nothing is left to serve.
+            self.stopping = True
+            for fn in self.on_stop:
+                fn()
+            return
+        exc = errors.ContextLost(peer, how)
+        for fid, f in list(self.asked.items()):
+            if f._home == peer:
+                del self.asked[fid]
+                f._set(False, exc)
+        for label, call in list(self.awaiting.items()):
+            if any(label == l and home == peer for l, home in (call.arcs or ())):
+                del self.awaiting[label]
+                self._token_arrived(call, label, False, exc)
+        for fid, slot in list(self.slots.items()):
+            if slot.alias is not None and slot.alias[1] == peer:
+                subs, slot.subs = slot.subs, []
+                for dest, label in subs:
+                    self._relay(None, peer, dest, label)
+            slot.subs = [(d, l) for d, l in slot.subs if d != peer]
+
+    # ------------------------------------------------------------------ queries
+    def snapshot(self) -> Dict[str, Any]:
+        d = self.stats.as_dict()
+        d.update(objects=len(self.objects), values_held=len(self.slots),
+                 tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
+                 load=self.load(), pid=os.getpid())
+        return d
+
+
+def _raw(p) -> memoryview:
+    return p.raw() if isinstance(p, pickle.PickleBuffer) else memoryview(p).cast("B")
+
+
+def _has_future(xs) -> bool:
+    for x in xs:
+        t = type(x)
+        if t is Future:
+            return True
+        if t is list or t is tuple:
+            if _has_future(x):
+                return True
+        elif t is dict:
+            if _has_future(x.values()):
+                return True
+    return False
+
+
+def _subst(x, call: Call, eng):
+    t = type(x)
+    if t is Arc:
+        ok, v = call_token(call, x.fid, eng)
+        if not ok:
+            raise v
+        return v
+    if t is list:
+        return [_subst(v, call, eng) for v in x]
+    if t is tuple:
+        return tuple(_subst(v, call, eng) for v in x)
+    if t is dict:
+        return {k: _subst(v, call, eng) for k, v in x.items()}
+    return x
+
+
+def call_token(call: Call, afid, eng):
+    label = (afid, call.fid)
+    tok = eng.tokens.get(label)
+    if tok is None:
+        raise RuntimeError(f"internal: token {label} missing")
+    if call.tokens is None:
+        call.tokens = {}
+    seen = call.tokens.get(label)
+    if seen is None:
+        call.tokens[label] = True
+        eng.tokens.pop(label, None)
+        call.tokens[("v", label)] = tok
+        return tok
+    # The same future twice in one call: call-by-value gives each use its copy.
+    ok, v = call.tokens[("v", label)]
+    return ok, (pickle.loads(pickle.dumps(v, 5)) if ok else v)
+
+
+def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
+    if not hasattr(exc, "__mf_tb__"):
+        try:
+            exc.__mf_tb__ = format_remote(exc, ctx)
+        except Exception:
+            pass
+    return exc
+
+
+def _restore_exception(exc: Any) -> BaseException:
+    if not isinstance(exc, BaseException):
+        return errors.RemoteError(type(exc).__name__, repr(exc))
+    tb = getattr(exc, "__mf_tb__", None)
+    if tb and exc.__cause__ is None:
+        exc.__cause__ = errors.RemoteTraceback(tb)
+    return exc
+
+
+# -- system calls: run on any context by name (stats, ping, exit for tests) --
+def _sys_stats(eng: Engine):
+    return eng.snapshot()
+
+
+def _sys_ping(eng: Engine, x=None):
+    return x
+
+
+def _sys_exit(eng: Engine, code: int = 0):
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _sys_pid(eng: Engine):
+    return os.getpid()
+
+
+SYSTEM_CALLS: Dict[str, Callable[..., Any]] = {
+    "stats": _sys_stats, "ping": _sys_ping, "exit": _sys_exit, "pid": _sys_pid,
+}
+
+
+class _State:
+    default: Optional[Engine] = None  # context 0's engine in this process
+    current: Optional[Engine] = None  # the engine processing messages right now
+
+
+_state = _State()
+
+
+def current_engine() -> Engine:
+    """The engine of the context running this code; raises if none is running.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     current_engine().id
+        0
+    """
+    g = getcurrent()
+    eng = getattr(g, "engine", None)
+    if eng is None:
+        eng = _state.current or _state.default
+        if eng is None:
+            raise RuntimeError("macroflow is not running: use mf.run(main, contexts=N) "
+                               "or 'with mf.init(contexts=N):'")
+    return eng

@@ -1,0 +1,119 @@
+"""Exceptions that macroflow raises, in one place so every layer names them alike."""
+
+from __future__ import annotations
+
+
+class MacroflowError(Exception):
+    """Base class of every error that macroflow itself raises.
+
+    Example:
+        >>> try:
+        ...     raise ContextLost(2, "killed by signal SIGKILL")
+        ... except MacroflowError as e:
+        ...     print(e)
+        context 2 was lost: killed by signal SIGKILL
+    """
+
+
+class ContextLost(MacroflowError):
+    """A context (a process) ended while something waited on it.
+
+    ``context`` is the id of the lost context and ``how`` says how it ended
+    (an exit code, a signal, or a closed connection).
+
+    Example:
+        >>> e = ContextLost(3, "exit code 1")
+        >>> e.context, e.how
+        (3, 'exit code 1')
+    """
+
+    def __init__(self, context: int, how: str):
+        super().__init__(context, how)
+        self.context = context
+        self.how = how
+
+    def __str__(self) -> str:
+        return f"context {self.context} was lost: {self.how}"
+
+
+class DeadlockError(MacroflowError, RuntimeError):
+    """A wait that could never finish, reported instead of hanging.
+
+    Raised when a persistent object's method waits on a call to that same
+    object (the monitor is held by the waiter), or when nothing anywhere can
+    make progress (inproc transport).
+
+    Example:
+        >>> isinstance(DeadlockError("x"), RuntimeError)
+        True
+    """
+
+
+class RemoteTraceback(Exception):
+    """Carries the formatted traceback of an exception raised in another context.
+
+    It is attached as ``__cause__`` of the re-raised exception, so Python prints
+    the remote traceback above the local one.
+
+    Example:
+        >>> print(RemoteTraceback("Traceback ...\\nValueError: bad"))
+        <BLANKLINE>
+        Traceback ...
+        ValueError: bad
+    """
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+class RemoteError(MacroflowError):
+    """Stands in for a remote exception that could not be pickled back.
+
+    ``type_name`` is the qualified name of the original exception type.
+
+    Example:
+        >>> str(RemoteError("mod.Weird", "it broke"))
+        'mod.Weird: it broke'
+    """
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(type_name, message)
+        self.type_name = type_name
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+class CallError(MacroflowError, TypeError):
+    """A call that cannot be made: unknown method, wrong arity, unpicklable argument.
+
+    Raised at the call site, before anything is sent.
+
+    Example:
+        >>> issubclass(CallError, TypeError)
+        True
+    """
+
+
+class ObjectDestroyed(MacroflowError):
+    """A call reached a persistent object after ``destroy()`` or a failed constructor.
+
+    Example:
+        >>> str(ObjectDestroyed("Accumulator#0.3 was destroyed"))
+        'Accumulator#0.3 was destroyed'
+    """
+
+
+class TimeoutError(MacroflowError, TimeoutError):  # noqa: A001 - deliberately a builtin subclass
+    """``Future.result(timeout=...)`` ran out of time; the call itself goes on.
+
+    Example:
+        >>> import builtins
+        >>> issubclass(TimeoutError, builtins.TimeoutError)
+        True
+    """

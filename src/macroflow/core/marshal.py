@@ -1,0 +1,145 @@
+"""Marshalling: call-by-value with pickle protocol 5 and out-of-band buffers.
+
+Large buffers (numpy arrays, bytes-like objects exposing PickleBuffer) leave the
+pickle stream as separate buffers, so a transport can hand them to the kernel
+with scatter/gather I/O and the receiver can rebuild arrays on top of the bytes
+it received, with no copy at a layer boundary.
+
+Classes and functions that a receiver cannot import by name are sent by value
+(cloudpickle): lambdas, local definitions, and anything defined in ``__main__``
+after the contexts were forked. Everything else goes by reference, which keeps
+the common message as small and as fast as plain pickle. numpy records byte
+order in the dtype it pickles, so arrays stay correct between hosts of
+different endianness.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import types
+from typing import Any, List, Optional, Sequence, Tuple
+
+import cloudpickle
+
+# Below this a buffer is cheaper to copy into the stream than to carry apart.
+OOB_THRESHOLD = 32 * 1024
+
+# Snapshot of __main__ taken when contexts were forked: these objects exist by
+# the same name in every child, so they can travel by reference.
+_main_snapshot: Optional[dict] = None
+_by_value_cache: dict = {}  # id(obj) -> (obj, blob): pickle a class by value once
+_loaded_cache: dict = {}  # blob -> obj: a class sent twice is one class at the receiver
+
+
+def snapshot_main() -> None:
+    """Record what ``__main__`` holds now; forked children share exactly this."""
+    global _main_snapshot
+    main = sys.modules.get("__main__")
+    _main_snapshot = dict(vars(main)) if main is not None else {}
+
+
+def forget_main_snapshot() -> None:
+    """In-process transports share ``__main__``; everything can go by reference."""
+    global _main_snapshot
+    _main_snapshot = None
+
+
+def _needs_value(obj: Any) -> bool:
+    qualname = getattr(obj, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        return True
+    module = getattr(obj, "__module__", None)
+    if module == "__main__":
+        if _main_snapshot is None:
+            return False
+        return _main_snapshot.get(qualname) is not obj
+    if module is not None and module not in sys.modules:
+        return True
+    return False
+
+
+def _load_by_value(blob: bytes) -> Any:
+    obj = _loaded_cache.get(blob)
+    if obj is None:
+        obj = pickle.loads(blob)
+        _loaded_cache[blob] = obj
+    return obj
+
+
+class _Pickler(pickle.Pickler):
+    # reducer_override is not consulted for str/int/float/bytes/None, so small
+    # messages pay for it only on their containers.
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is types.FunctionType or isinstance(obj, type):
+            if _needs_value(obj):
+                hit = _by_value_cache.get(id(obj))
+                if hit is None or hit[0] is not obj:
+                    hit = (obj, cloudpickle.dumps(obj, protocol=5))
+                    _by_value_cache[id(obj)] = hit
+                return _load_by_value, (hit[1],)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
+    """Pickle ``obj`` into an in-band stream and a list of out-of-band buffers.
+
+    Example:
+        >>> import numpy as np
+        >>> data, bufs = dumps({"a": np.zeros(100_000)})
+        >>> len(bufs), loads(data, bufs)["a"].shape
+        (1, (100000,))
+    """
+    bufs: List[pickle.PickleBuffer] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        # Returning False takes the buffer out of band; small ones stay inline.
+        if buf.raw().nbytes >= OOB_THRESHOLD:
+            bufs.append(buf)
+            return False
+        return True
+
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
+    return f.getvalue(), bufs
+
+
+def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
+    """Inverse of :func:`dumps`; arrays are rebuilt on ``buffers`` without a copy.
+
+    Example:
+        >>> loads(*dumps([1, "two", 3.0]))
+        [1, 'two', 3.0]
+    """
+    return pickle.loads(data, buffers=buffers)
+
+
+def describe_unpicklable(obj: Any, exc: BaseException) -> str:
+    """A short explanation of why ``obj`` could not be pickled, for error messages.
+
+    Example:
+        >>> import threading
+        >>> describe_unpicklable(threading.Lock(), TypeError("cannot pickle '_thread.lock' object"))
+        "lock: cannot pickle '_thread.lock' object"
+    """
+    return f"{type(obj).__name__}: {exc}"
+
+
+def buffer_nbytes(buffers: Sequence[Any]) -> int:
+    """Total size of a list of buffers.
+
+    Example:
+        >>> buffer_nbytes([b"abc", bytearray(2)])
+        5
+    """
+    total = 0
+    for b in buffers:
+        total += memoryview(b).nbytes
+    return total
+
+
+PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError, ValueError, RecursionError)
+
+__all__ = ["dumps", "loads", "snapshot_main", "forget_main_snapshot", "PICKLE_ERRORS"]

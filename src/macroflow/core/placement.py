@@ -1,0 +1,100 @@
+"""Placement: Mentat's instantiation managers, one per context.
+
+A call on a regular object (and the creation of a persistent object) is
+placed by the caller's manager: it keeps the work if its own load is under the
+*threshold* (the transfer policy), otherwise it sends it where the *location
+policy* says. A manager that receives work while over its threshold may pass
+it on again, at most *transfer_limit* moves in all. ``on=`` overrides
+everything. Loads of other contexts are the most recent ones they reported
+(every frame carries its sender's queue length), plus what this context has
+sent them since.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+POLICIES = ("round-robin", "random", "best-most-recently")
+
+
+class Placement:
+    """Transfer and location policy for one computation.
+
+    Args:
+        policy: "round-robin", "random" or "best-most-recently".
+        threshold: keep a call local while this context's load is below it.
+            Context 0 counts the running main program as one.
+        transfer_limit: how many times a call may move between contexts.
+        seed: for the random policy, to make runs repeatable.
+
+    Raises:
+        ValueError: for an unknown policy or a negative number.
+
+    Example:
+        >>> p = Placement("random", threshold=2, transfer_limit=2, seed=1)
+        >>> p.policy, p.threshold, p.transfer_limit
+        ('random', 2, 2)
+    """
+
+    def __init__(self, policy: str = "round-robin", threshold: int = 2,
+                 transfer_limit: int = 1, seed: Optional[int] = None):
+        if policy not in POLICIES:
+            raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"placement threshold must be an int >= 0; got {threshold!r}")
+        if not isinstance(transfer_limit, int) or transfer_limit < 0:
+            raise ValueError(f"transfer_limit must be an int >= 0; got {transfer_limit!r}")
+        self.policy = policy
+        self.threshold = threshold
+        self.transfer_limit = transfer_limit
+        self.rng = random.Random(seed)
+        self.next = 0
+
+    @classmethod
+    def make(cls, spec: Any) -> "Placement":
+        """Accept a Placement, a policy name, or None (the default).
+
+        Example:
+            >>> Placement.make("best-most-recently").policy
+            'best-most-recently'
+        """
+        if spec is None:
+            return cls()
+        if isinstance(spec, Placement):
+            return spec
+        if isinstance(spec, str):
+            return cls(spec)
+        raise TypeError(f"placement must be a policy name or mf.Placement; got {type(spec).__name__}")
+
+    def copy(self) -> "Placement":
+        return Placement(self.policy, self.threshold, self.transfer_limit, self.rng.randrange(1 << 30))
+
+    # -- decisions -----------------------------------------------------------
+    def place_call(self, eng: Any) -> int:
+        """Where a new regular call from this context runs."""
+        if eng.size == 1 or eng.load() < self.threshold:
+            return eng.id
+        dest = self.choose(eng, exclude=None)
+        return eng.id if dest is None else dest
+
+    def place_object(self, eng: Any) -> int:
+        """Where a new persistent object lives (never context 0 when there are others:
+        context 0 runs main and serves objects only while main waits)."""
+        if eng.size == 1:
+            return 0
+        dest = self.choose(eng, exclude=0)
+        return 0 if dest is None else dest
+
+    def choose(self, eng: Any, exclude: Optional[int]) -> Optional[int]:
+        cands = [c for c in range(eng.size) if c != exclude and c not in eng.lost]
+        if not cands:
+            return None
+        if self.policy == "random":
+            return self.rng.choice(cands)
+        if self.policy == "best-most-recently":
+            loads = eng.loads
+            best = min(loads[c] if c != eng.id else eng.load() for c in cands)
+            cands = [c for c in cands if (loads[c] if c != eng.id else eng.load()) == best]
+        self.next += 1
+        return cands[self.next % len(cands)]

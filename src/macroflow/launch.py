@@ -1,0 +1,335 @@
+"""Bring a computation up and down: :func:`run`, :func:`init`, :func:`shutdown`.
+
+With the ``local`` transport, context 0 is this process (it runs main) and
+contexts 1..N-1 are forked from it, connected by a full mesh of socketpairs.
+Forking (rather than starting fresh interpreters) makes start-up a few
+milliseconds, and classes and functions of the user's ``__main__`` exist in
+every context; those defined after the fork travel by value.
+
+Whatever way the computation ends (main returns or raises, Ctrl-C, a
+context crashes), every process it started is gone when ``run`` returns:
+children are asked to stop, then killed, and they also die with their parent
+(PR_SET_PDEATHSIG) or as soon as they see context 0's connection close.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+from .core import context as _ctx
+from .core import marshal
+from .core.context import SHUTDOWN, Engine
+from .core.placement import Placement
+from .transport.base import REGISTRY
+
+DEFAULT_SPIN_US = 50.0
+
+_sessions: List["Session"] = []
+
+
+def _spin_us(spin_us: Optional[float]) -> float:
+    if spin_us is not None:
+        return float(spin_us)
+    env = os.environ.get("MACROFLOW_SPIN_US")
+    return float(env) if env else DEFAULT_SPIN_US
+
+
+def _set_pdeathsig() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def describe_status(status: int) -> str:
+    """Say how a process ended, from a ``waitpid`` status.
+
+    Example:
+        >>> describe_status(9)
+        'killed by signal SIGKILL'
+        >>> describe_status(256)
+        'exited with code 1'
+    """
+    if os.WIFSIGNALED(status):
+        n = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(n).name
+        except ValueError:
+            name = str(n)
+        return f"killed by signal {name}"
+    if os.WIFEXITED(status):
+        return f"exited with code {os.WEXITSTATUS(status)}"
+    return f"ended with status {status}"
+
+
+class Session:
+    """A running computation seen from context 0; close it to tear everything down.
+
+    Returned by :func:`init`; usable as a context manager.
+
+    Example:
+        >>> import macroflow as mf
+        >>> s = mf.init(contexts=2, transport="inproc")
+        >>> mf.num_contexts()
+        2
+        >>> s.close()
+    """
+
+    def __init__(self, contexts: int, transport: str, placement: Any, spin_us: float):
+        self.size = contexts
+        self.transport_name = transport
+        self.pids: Dict[int, int] = {}
+        self.reaped: Dict[int, int] = {}
+        self.closed = False
+        self.engine: Optional[Engine] = None
+        self.world: Any = None
+        self.started = time.perf_counter()
+        if transport == "local":
+            self._start_local(placement, spin_us)
+        elif transport == "inproc":
+            self._start_inproc(placement)
+        else:
+            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
+        _ctx._state.default = self.engine
+        _sessions.append(self)
+
+    # -- inproc ----------------------------------------------------------------
+    def _start_inproc(self, placement: Placement) -> None:
+        from .transport.inproc import InprocTransport, World
+        marshal.forget_main_snapshot()
+        world = self.world = World()
+        for c in range(self.size):
+            eng = Engine(c, self.size, InprocTransport(world, c), placement.copy())
+            eng.driver = world
+            world.engines.append(eng)
+        self.engine = world.engines[0]
+
+    # -- local -----------------------------------------------------------------
+    def _start_local(self, placement: Placement, spin_us: float) -> None:
+        from .transport.local import LocalTransport
+        n = self.size
+        pairs = {(i, j): socket.socketpair() for i in range(n) for j in range(i + 1, n)}
+        marshal.snapshot_main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            for c in range(1, n):
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    _child_main(c, n, pairs, placement, spin_us)
+                self.pids[c] = pid
+        except BaseException:
+            for pid in self.pids.values():
+                _kill(pid)
+            raise
+        mine = {}
+        for (i, j), (a, b) in pairs.items():
+            if i == 0:
+                mine[j] = a
+                b.close()
+            else:
+                a.close()
+                b.close()
+        eng = self.engine = Engine(0, n, LocalTransport(0, mine, spin_us), placement)
+        eng.describe_lost = self._describe_lost
+
+    def _describe_lost(self, peer: int) -> str:
+        pid = self.pids.get(peer)
+        if pid is None:
+            return "connection closed"
+        deadline = time.monotonic() + 1.0
+        while True:  # the socket closes an instant before the process can be reaped
+            try:
+                r, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return "connection closed"
+            if r:
+                self.reaped[peer] = status
+                return f"its process (pid {pid}) {describe_status(status)}"
+            if time.monotonic() > deadline:
+                return f"connection closed (pid {pid} still running)"
+            time.sleep(0.001)
+
+    # -- teardown --------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every context and wait for their processes; idempotent.
+
+        Example:
+            >>> # session.close()
+        """
+        if self.closed:
+            return
+        self.closed = True
+        eng = self.engine
+        try:
+            if eng is not None and self.world is None:
+                eng.stopping = True
+                for c in range(1, self.size):
+                    if c not in eng.lost:
+                        try:
+                            eng.send(c, (SHUTDOWN,))
+                        except Exception:
+                            pass
+                deadline = time.monotonic() + 2.0
+                for c, pid in self.pids.items():
+                    if c in self.reaped:
+                        continue
+                    while True:
+                        try:
+                            r, _ = os.waitpid(pid, os.WNOHANG)
+                        except ChildProcessError:
+                            break
+                        if r:
+                            break
+                        if time.monotonic() > deadline:
+                            _kill(pid)
+                            break
+                        time.sleep(0.0005)
+        finally:
+            for pid in self.pids.values():
+                _kill(pid)
+            if eng is not None and eng.transport is not None:
+                eng.transport.close()
+            if _ctx._state.default is eng:
+                _ctx._state.default = None
+            if self in _sessions:
+                _sessions.remove(self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: float) -> None:  # pragma: no cover
+    code = 0
+    try:
+        _set_pdeathsig()
+        if os.getppid() == 1:
+            os._exit(0)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
+        for s in list(_sessions):
+            s.closed = True  # the parent's sessions are not ours to close
+        random.seed()
+        np = sys.modules.get("numpy")
+        if np is not None:
+            np.random.seed()
+        from .transport.local import LocalTransport
+        mine = {}
+        for (i, j), (a, b) in pairs.items():
+            if i == ctx:
+                mine[j] = a
+                b.close()
+            elif j == ctx:
+                mine[i] = b
+                a.close()
+            else:
+                a.close()
+                b.close()
+        eng = Engine(ctx, n, LocalTransport(ctx, mine, spin_us), placement.copy())
+        _ctx._state.default = eng
+        eng.serve_forever()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def init(contexts: Optional[int] = None, transport: str = "local", placement: Any = None,
+         spin_us: Optional[float] = None) -> Session:
+    """Start a computation of ``contexts`` contexts; this process becomes context 0.
+
+    For scripts and notebooks: use it as a context manager, or call
+    :func:`shutdown` (it also runs at exit).
+
+    Args:
+        contexts: number of contexts, this one included (default: CPU count).
+        transport: "local" (processes on this host) or "inproc" (one process).
+        placement: a policy name ("round-robin", "random",
+            "best-most-recently") or a :class:`macroflow.Placement`.
+        spin_us: how long an idle context polls before it sleeps
+            (default 50, or the MACROFLOW_SPIN_US environment variable).
+
+    Raises:
+        RuntimeError: a computation is already running in this process.
+        ValueError: bad number of contexts, transport or placement.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     mf.num_contexts()
+        2
+    """
+    if _ctx._state.default is not None:
+        raise RuntimeError("a macroflow computation is already running in this process; "
+                           "shut it down first (mf.shutdown())")
+    if contexts is None:
+        contexts = os.cpu_count() or 1
+    if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
+        raise ValueError(f"contexts must be a positive int; got {contexts!r}")
+    if transport not in REGISTRY:
+        raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
+    return Session(contexts, transport, Placement.make(placement), _spin_us(spin_us))
+
+
+def shutdown() -> None:
+    """Tear down the running computation, if any.
+
+    Example:
+        >>> import macroflow as mf
+        >>> mf.shutdown()   # nothing running: does nothing
+    """
+    for s in list(_sessions):
+        s.close()
+
+
+atexit.register(shutdown)
+
+
+def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, transport: str = "local",
+        placement: Any = None, spin_us: Optional[float] = None, **kwargs: Any) -> Any:
+    """Run ``main(*args, **kwargs)`` on context 0 of a new computation and return its value.
+
+    Everything is torn down afterwards, whether main returns or raises.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.regular
+        ... class Math:
+        ...     def square(self, x): return x * x
+        ...     def add(self, a, b): return a + b
+        >>> def main():
+        ...     m = Math()
+        ...     return m.add(m.square(4), m.square(5)).result()
+        >>> mf.run(main, contexts=2, transport="inproc")
+        41
+    """
+    with init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us):
+        return main(*args, **kwargs)

@@ -1,0 +1,94 @@
+"""Call-site checks: a method must exist and take the arguments given.
+
+Checked before anything is sent, so the error names the class and the method
+and points at the caller's line. Signatures are analysed once per method; the
+common case (positional arguments only) is a length comparison.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+from ..core.errors import CallError
+
+
+class MethodInfo:
+    __slots__ = ("name", "label", "nmin", "nmax", "sig", "simple")
+
+    def __init__(self, cls: type, name: str, fn: Callable[..., Any]):
+        self.name = name
+        self.label = f"{cls.__qualname__}.{name}"
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        self.sig = sig
+        self.nmin, self.nmax, self.simple = 0, None, False
+        if sig is not None:
+            params = list(sig.parameters.values())[1:]  # drop self
+            pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            self.nmin = sum(1 for p in pos if p.default is p.empty)
+            var = any(p.kind == p.VAR_POSITIONAL for p in params)
+            self.nmax = None if var else len(pos)
+            self.simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                              for p in params)
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        if self.sig is None:
+            return
+        if not kwargs and self.simple:
+            n = len(args)
+            if n >= self.nmin and (self.nmax is None or n <= self.nmax):
+                return
+        try:
+            self.sig.bind(None, *args, **kwargs)
+        except TypeError as e:
+            raise CallError(f"{self.label}(): {e}") from None
+
+
+def method_info(cls: type, name: str) -> MethodInfo:
+    """Look up (and cache) what a call to ``cls.name`` must look like.
+
+    Raises:
+        CallError: ``name`` is not a public method of ``cls``.
+
+    Example:
+        >>> class A:
+        ...     def f(self, x, y=1): pass
+        >>> method_info(A, "f").nmin, method_info(A, "f").nmax
+        (1, 2)
+    """
+    cache: Optional[Dict[str, MethodInfo]] = cls.__dict__.get("__mf_methods__")
+    if cache is None:
+        cache = {}
+        setattr(cls, "__mf_methods__", cache)
+    info = cache.get(name)
+    if info is None:
+        fn = getattr(cls, name, None)
+        if name.startswith("_") or fn is None or not callable(fn) or isinstance(fn, type):
+            public = sorted(n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))
+                            and n != "create")
+            raise CallError(f"{cls.__qualname__} has no method {name!r}"
+                            f" (methods: {', '.join(public) or 'none'})")
+        info = cache[name] = MethodInfo(cls, name, fn)
+    return info
+
+
+def constructor_info(cls: type) -> MethodInfo:
+    """The constructor's signature, for checking ``create()`` arguments.
+
+    Example:
+        >>> class A:
+        ...     def __init__(self, n): pass
+        >>> constructor_info(A).nmin
+        1
+    """
+    info = cls.__dict__.get("__mf_ctor__")
+    if info is None:
+        info = MethodInfo(cls, "__init__", cls.__init__)
+        info.label = f"{cls.__qualname__}()"
+        setattr(cls, "__mf_ctor__", info)
+    return info
+
+

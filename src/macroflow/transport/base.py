@@ -1,0 +1,76 @@
+"""The protocol-module interface: all that core asks of a transport.
+
+A transport moves frames between numbered contexts and knows nothing of
+objects, futures or calls. A frame is a list of buffers: the first is a small
+pickled header, the rest are out-of-band payload buffers that the transport
+must deliver byte-for-byte and in order per (sender, receiver) pair.
+
+Adding a protocol (tcp, mpi) means writing one subclass and registering it in
+:data:`REGISTRY`; the models never change.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+# deliver(src, buffers, load): a whole frame arrived from context src, whose
+# queue length when it sent the frame was `load`.
+Deliver = Callable[[int, List[object], int], None]
+# lost(peer, how): the connection to peer is gone, with a human description.
+Lost = Callable[[int, str], None]
+
+
+class Transport(abc.ABC):
+    """One protocol module, as seen by one context.
+
+    Example:
+        >>> from macroflow.transport.base import REGISTRY
+        >>> sorted(REGISTRY)
+        ['inproc', 'local']
+    """
+
+    #: protocol name, as it appears in a GlobalPointer's protocol list
+    name: str = ""
+
+    def __init__(self) -> None:
+        self.deliver: Optional[Deliver] = None
+        self.lost: Optional[Lost] = None
+
+    def attach(self, deliver: Deliver, lost: Lost) -> None:
+        """Tell the transport where incoming frames and lost peers go."""
+        self.deliver = deliver
+        self.lost = lost
+
+    @abc.abstractmethod
+    def send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        """Send one frame to ``dest``; returns the number of bytes put on the wire.
+
+        Never blocks for long: a frame that does not fit in the kernel's
+        buffers is finished by :meth:`poll`, or by :meth:`flush`.
+        """
+
+    @abc.abstractmethod
+    def poll(self, timeout: Optional[float]) -> bool:
+        """Make progress, delivering whole frames; wait at most ``timeout`` seconds.
+
+        ``timeout=0`` only looks; ``None`` waits for something to happen.
+        Returns True if anything was delivered.
+        """
+
+    def flush(self) -> None:
+        """Push out every queued frame (a no-op where sends complete at once)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the transport's resources; peers see the connection close."""
+
+    def address(self) -> Tuple[str, str]:
+        """This context's protocol descriptor: (protocol name, address)."""
+        return (self.name, "")
+
+
+REGISTRY: Dict[str, str] = {
+    "local": "macroflow.transport.local",
+    "inproc": "macroflow.transport.inproc",
+}

@@ -1,0 +1,323 @@
+"""The ``local`` protocol module: contexts are processes on this host.
+
+Every pair of contexts shares one AF_UNIX stream socket (a full mesh of
+socketpairs made before the processes fork), so a frame costs one ``sendmsg``
+on the sender and one or two ``recv_into`` on the receiver.
+
+Wire format of a frame: ``<II`` (number of buffers, sender's load), one ``<Q``
+length per buffer, then the buffers back to back. Large buffers are received
+straight into their own ``bytearray`` (no copy through the read buffer), so a
+numpy array comes out of the pickle on top of the bytes the kernel wrote.
+
+Waiting: a context that just did something polls for ``spin_us`` before it
+sleeps in epoll, because waking a sleeping process on the other core costs
+~30 us here, more than all the Python work of a call (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import struct
+import time
+from collections import deque
+from typing import Dict, List, Optional, Sequence
+
+from .base import Transport
+
+_HDR = struct.Struct("<II")
+_RBUF = 256 * 1024
+_BIG = _RBUF // 2  # buffers larger than this are received in place
+_SOCKBUF = 4 * 1024 * 1024
+_IOV_MAX = 512
+
+
+def tune(sock: socket.socket) -> None:
+    """Make a socket non-blocking with large kernel buffers (best effort)."""
+    sock.setblocking(False)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
+        except OSError:
+            pass
+
+
+def _view(p: object) -> memoryview:
+    if isinstance(p, __import__("pickle").PickleBuffer):
+        return p.raw()
+    m = memoryview(p)  # type: ignore[arg-type]
+    return m if m.format == "B" and m.ndim == 1 else m.cast("B")
+
+
+class _Conn:
+    __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
+                 "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed")
+
+    def __init__(self, peer: int, sock: socket.socket):
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.rbuf = bytearray(_RBUF)
+        self.rmv = memoryview(self.rbuf)
+        self.rs = self.re = 0
+        self.state = 0
+        self.nbufs = self.load = self.idx = 0
+        self.lens: Sequence[int] = ()
+        self.bufs: List[object] = []
+        self.big: Optional[bytearray] = None
+        self.bigmv: Optional[memoryview] = None
+        self.bigpos = 0
+        self.outq: deque = deque()
+        self.closed = False
+
+
+class LocalTransport(Transport):
+    """Frames over a mesh of AF_UNIX socketpairs between forked processes.
+
+    Example (two ends in one process, for illustration):
+        >>> import socket
+        >>> a, b = socket.socketpair()
+        >>> ta, tb = LocalTransport(0, {1: a}), LocalTransport(1, {0: b})
+        >>> got = []
+        >>> tb.attach(lambda src, bufs, load: got.append((src, bytes(bufs[0]))), None)
+        >>> ta.send(1, [b"hello"], 0) > 5
+        True
+        >>> tb.poll(1.0); got
+        True
+        [(0, b'hello')]
+        >>> ta.close(); tb.close()
+    """
+
+    name = "local"
+
+    def __init__(self, ctx: int, socks: Dict[int, socket.socket], spin_us: float = 0.0):
+        super().__init__()
+        self.ctx = ctx
+        self.spin_s = spin_us / 1e6
+        self.conns: Dict[int, _Conn] = {}
+        self.byfd: Dict[int, _Conn] = {}
+        self.ep = select.epoll()
+        for peer, s in socks.items():
+            tune(s)
+            c = _Conn(peer, s)
+            self.conns[peer] = c
+            self.byfd[c.fd] = c
+            self.ep.register(c.fd, select.EPOLLIN)
+
+    def address(self):
+        return ("local", f"{os.uname().nodename}:{os.getpid()}")
+
+    # -- sending ---------------------------------------------------------
+    def send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        c = self.conns.get(dest)
+        if c is None or c.closed:
+            raise ConnectionError(f"no connection to context {dest}")
+        views = [_view(p) for p in parts]
+        head = _HDR.pack(len(views), load) + struct.pack(f"<{len(views)}Q", *[v.nbytes for v in views])
+        total = len(head) + sum(v.nbytes for v in views)
+        if c.outq:
+            c.outq.append(memoryview(head))
+            c.outq.extend(views)
+            self._drain(c)
+            return total
+        vec = [head, *views]
+        try:
+            n = c.sock.sendmsg(vec) if len(vec) <= _IOV_MAX else 0
+        except BlockingIOError:
+            n = 0
+        except OSError as e:
+            self._close(c, f"send failed: {e}")
+            raise ConnectionError(f"context {dest}: {e}") from None
+        if n < total:
+            for v in vec:
+                v = memoryview(v) if not isinstance(v, memoryview) else v
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    continue
+                c.outq.append(v[n:])
+                n = 0
+            self._drain(c)
+        return total
+
+    def _drain(self, c: _Conn) -> None:
+        # The frame did not fit in the kernel buffer. Finish it now, reading
+        # everything that arrives meanwhile, so that two contexts sending large
+        # frames to each other cannot deadlock.
+        self.ep.modify(c.fd, select.EPOLLIN | select.EPOLLOUT)
+        try:
+            while c.outq and not c.closed:
+                for fd, ev in self.ep.poll(1.0):
+                    d = self.byfd.get(fd)
+                    if d is None:
+                        continue
+                    if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                        self._read(d)
+                    if d is c and ev & select.EPOLLOUT:
+                        self._write(c)
+        finally:
+            if not c.closed:
+                self.ep.modify(c.fd, select.EPOLLIN)
+
+    def _write(self, c: _Conn) -> None:
+        while c.outq:
+            batch = list(c.outq)[:_IOV_MAX]
+            try:
+                n = c.sock.sendmsg(batch)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._close(c, f"send failed: {e}")
+                return
+            while n and c.outq:
+                v = c.outq[0]
+                if n >= v.nbytes:
+                    n -= v.nbytes
+                    c.outq.popleft()
+                else:
+                    c.outq[0] = v[n:]
+                    n = 0
+
+    # -- receiving -------------------------------------------------------
+    def poll(self, timeout: Optional[float]) -> bool:
+        events = self.ep.poll(0)
+        if not events and timeout != 0:
+            if self.spin_s > 0.0:
+                deadline = time.perf_counter() + self.spin_s
+                poll = self.ep.poll
+                while not events and time.perf_counter() < deadline:
+                    events = poll(0)
+            if not events:
+                try:
+                    events = self.ep.poll(-1 if timeout is None else timeout)
+                except InterruptedError:
+                    events = []
+        got = False
+        for fd, _ev in events:
+            c = self.byfd.get(fd)
+            if c is not None:
+                got = self._read(c) or got
+        return got
+
+    def _read(self, c: _Conn) -> bool:
+        got = False
+        sock = c.sock
+        while True:
+            try:
+                if c.big is not None:
+                    n = sock.recv_into(c.bigmv[c.bigpos:])  # type: ignore[index]
+                    if n:
+                        c.bigpos += n
+                        if c.bigpos == len(c.big):
+                            c.bufs.append(c.big)
+                            c.big = c.bigmv = None
+                            c.idx += 1
+                            got = self._parse(c) or got
+                        continue
+                else:
+                    if c.re == _RBUF:
+                        self._compact(c)
+                    want = _RBUF - c.re
+                    n = sock.recv_into(c.rmv[c.re:])
+                    if n:
+                        c.re += n
+                        got = self._parse(c) or got
+                        if n < want:
+                            return got
+                        continue
+            except BlockingIOError:
+                return got
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if e.errno in (errno.ECONNRESET, errno.EPIPE):
+                    n = 0
+                else:
+                    raise
+            # n == 0: the peer closed its end
+            self._close(c, "connection closed")
+            return got
+
+    def _compact(self, c: _Conn) -> None:
+        live = c.re - c.rs
+        if c.rs:
+            c.rbuf[:live] = c.rbuf[c.rs:c.re]
+        c.rs, c.re = 0, live
+
+    def _parse(self, c: _Conn) -> bool:
+        got = False
+        rbuf = c.rbuf
+        while True:
+            avail = c.re - c.rs
+            if c.state == 0:
+                if avail < 8:
+                    break
+                c.nbufs, c.load = _HDR.unpack_from(rbuf, c.rs)
+                c.rs += 8
+                c.state = 1
+            elif c.state == 1:
+                need = 8 * c.nbufs
+                if avail < need:
+                    break
+                c.lens = struct.unpack_from(f"<{c.nbufs}Q", rbuf, c.rs)
+                c.rs += need
+                c.idx = 0
+                c.bufs = []
+                c.state = 2
+            else:
+                if c.idx == c.nbufs:
+                    bufs, c.bufs = c.bufs, []
+                    c.state = 0
+                    self.deliver(c.peer, bufs, c.load)  # type: ignore[misc]
+                    got = True
+                    continue
+                n = c.lens[c.idx]
+                if n <= avail:
+                    piece = c.rmv[c.rs:c.rs + n]
+                    c.bufs.append(bytes(piece) if c.idx == 0 else bytearray(piece))
+                    c.rs += n
+                    c.idx += 1
+                elif n > _BIG:
+                    big = bytearray(n)
+                    big[:avail] = c.rmv[c.rs:c.re]
+                    c.rs = c.re = 0
+                    c.big, c.bigmv, c.bigpos = big, memoryview(big), avail
+                    break
+                else:
+                    break
+        if c.rs == c.re:
+            c.rs = c.re = 0
+        elif _RBUF - c.re < _BIG:
+            self._compact(c)
+        return got
+
+    def _close(self, c: _Conn, how: str) -> None:
+        if c.closed:
+            return
+        c.closed = True
+        c.outq.clear()
+        try:
+            self.ep.unregister(c.fd)
+        except (OSError, ValueError):
+            pass
+        self.byfd.pop(c.fd, None)
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+        if self.lost is not None:
+            self.lost(c.peer, how)
+
+    def close(self) -> None:
+        for c in list(self.conns.values()):
+            c.closed = True
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        self.byfd.clear()
+        try:
+            self.ep.close()
+        except OSError:
+            pass
