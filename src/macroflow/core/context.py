@@ -10,11 +10,15 @@ Message opcodes (the first item of every header):
 
 ========  ==============================================================
 CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, hops)
-VALUE     a value for a label: (op, label, ok, data, buffers)
+VALUE     a value for a label: a struct header (not a pickle: values are the
+          commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label
 RELEASE   the issuer dropped these futures; their values may go
 RSR       remote service request: (op, gid, handler, args, thread)
 SHUTDOWN  leave the progress loop
+READY     an eagerly routed value is too large to send unasked: ask for it
+
+The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 ========  ==============================================================
 """
 
@@ -24,6 +28,7 @@ import heapq
 import itertools
 import os
 import pickle
+import struct
 import sys
 import time
 import traceback
@@ -32,16 +37,23 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import errors, marshal
-from .future import FINISHED, PENDING, Future
+from .future import FINISHED, PENDING, Future, site_label
 from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
-CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN = range(6)
+CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY = range(7)
 
 # kinds of call targets
 PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
 
 DESTROY = "__mf_destroy__"
+RELEASE_BATCH = 64
+EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be asked for
+PINNED, EAGER = 1, 2
+# VALUE headers: b"V" ok ctx seq  (label (fid, None)), b"W" ok ctx seq ctx seq (an arc)
+_VGET = struct.Struct("<BBqq")
+_VARC = struct.Struct("<BBqqqq")
+_V, _W = ord("V"), ord("W")
 _TIMEOUT = object()
 
 
@@ -60,10 +72,10 @@ class Arc:
 class Call:
     """One invocation at the context that runs it (Mentat's computation instance)."""
 
-    __slots__ = ("fid", "kind", "target", "method", "args", "kwargs", "arcs", "hops",
-                 "caller", "missing", "tokens", "obj", "answered", "pinned")
+    __slots__ = ("fid", "kind", "target", "method", "args", "kwargs", "arcs", "route",
+                 "caller", "missing", "tokens", "obj", "answered")
 
-    def __init__(self, fid, kind, target, method, args, kwargs, arcs, hops, caller):
+    def __init__(self, fid, kind, target, method, args, kwargs, arcs, route, caller):
         self.fid = fid
         self.kind = kind
         self.target = target
@@ -71,13 +83,12 @@ class Call:
         self.args = args
         self.kwargs = kwargs
         self.arcs = arcs
-        self.hops = hops
+        self.route = route
         self.caller = caller
         self.missing = 0
         self.tokens: Optional[Dict[Any, Any]] = None
         self.obj: Any = None
         self.answered = False  # rtf already gave the result
-        self.pinned = False
 
 
 class Slot:
@@ -151,11 +162,13 @@ class Engine:
         self.tokens: Dict[Any, Tuple[bool, Any]] = {}
         self.awaiting: Dict[Any, Call] = {}
         self.asked: Dict[Any, Future] = {}  # futures waiting for a value from their home
+        self.eager: Dict[Any, Any] = {}  # fid -> weakref of futures whose value comes unasked
         self.adopted: Dict[Any, Any] = {}  # weak map fid -> Future for futures received by value
         self.objects: Dict[Any, HostedObject] = {}
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
         self.regular_pool: Dict[Any, List[Any]] = {}
         self.releases: Dict[int, List[Any]] = {}
+        self.n_releases = 0
         self.lost: Dict[int, str] = {}
         self.loads = [0] * size
         self.active = 0  # calls received here and not finished: the local load
@@ -186,7 +199,7 @@ class Engine:
         if dest in self.lost:
             return
         try:
-            n = self.transport.send(dest, parts, self.load())
+            n = self.transport.send(dest, parts, self.active + self.base_load)
         except ConnectionError:
             return  # peer_lost has been (or will be) called with the reason
         st = self.stats
@@ -197,37 +210,43 @@ class Engine:
         self.inbox.append((src, bufs, load))
         st = self.stats
         st.messages_received += 1
-        st.bytes_received += 8 + 8 * len(bufs) + sum(len(b) for b in bufs)
+        n = 8 + 8 * len(bufs)
+        for b in bufs:
+            n += len(b)
+        st.bytes_received += n
 
     # ------------------------------------------------------------------ issuing
     def new_fid(self):
         return (self.id, next(self.seq))
 
     def issue(self, kind: str, target: Any, method: Optional[str], args: tuple, kwargs: dict,
-              dest: int, label: str = "", oid: Any = None, pinned: bool = False,
+              dest: int, site: Any = None, oid: Any = None, pinned: bool = False,
               fid: Any = None) -> Future:
-        # the last header field packs (transfers so far << 1) | pinned-by-on=
         """Send a call to ``dest`` and return its future at once."""
         if fid is None:
-            fid = self.new_fid()
+            fid = (self.id, next(self.seq))
         arcs = None
-        if args or kwargs:
+        if (args and _has_future(args)) or (kwargs and _has_future(kwargs.values())):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
-        route = ((1 if dest != self.id else 0) << 1) | (1 if pinned else 0)
-        header = (CALL, fid, kind, target, method, args, kwargs, arcs, route)
+        eager = site is not None and getattr(site, "strict", 0) >= 2
+        route = ((1 if dest != self.id else 0) << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
         try:
-            data, bufs = marshal.dumps(header)
+            data, bufs = marshal.dumps((CALL, fid, kind, target, method, args, kwargs, arcs, route))
         except marshal.PICKLE_ERRORS as e:
             raise errors.CallError(
-                f"cannot send the arguments of {label or method}: {type(e).__name__}: {e}") from e
-        fut = Future(self, fid, dest, oid, label)
+                f"cannot send the arguments of {site_label(site) or method}: "
+                f"{type(e).__name__}: {e}") from e
+        fut = Future(self, fid, dest, oid, site)
         if dest in self.lost:
             fut._set(False, errors.ContextLost(dest, self.lost[dest]))
             return fut
+        if eager:
+            fut._eager = True
+            self.eager[fid] = weakref.ref(fut)
         self.stats.calls_issued += 1
         if dest != self.id:
             self.loads[dest] += 1
-        self.send_frame(dest, [data, *bufs])
+        self.send_frame(dest, [data, *bufs] if bufs else [data])
         return fut
 
     def _make_arcs(self, args, kwargs, fid, dest):
@@ -259,6 +278,8 @@ class Engine:
                 self.send_error(dest, (afid, fid), f._exc)
                 continue
             label = (afid, fid)
+            if f._site is not None and not f._asked:
+                f._site.strict = 0  # this site's futures feed other calls: route lazily
             arcs.append((label, f._home))
             self.forward(f, dest, label)
         return args, kwargs, tuple(arcs)
@@ -277,18 +298,27 @@ class Engine:
         if f._asked or f._state == FINISHED:
             return
         f._asked = True
+        site = f._site
+        if site is not None and site.strict < 8:
+            site.strict += 1
         self.asked[f._fid] = f
+        if f._eager and not f._ready_remote:
+            return  # the value is on its way unasked
         self.forward(f, self.id, (f._fid, None))
 
     def release(self, f: Future) -> None:
         if f._home in self.lost:
             return
         self.releases.setdefault(f._home, []).append(f._fid)
+        self.n_releases += 1
 
     def flush_releases(self) -> None:
-        if not self.releases:
+        # Values are reclaimed in batches: one RELEASE per RELEASE_BATCH dropped
+        # futures keeps the message count of a call at three.
+        if self.n_releases < RELEASE_BATCH:
             return
         rel, self.releases = self.releases, {}
+        self.n_releases = 0
         for home, fids in rel.items():
             if home == self.id:
                 self._on_release(fids)
@@ -315,7 +345,7 @@ class Engine:
             if call is not None and call.obj is not None and f._target == call.obj.oid:
                 raise errors.DeadlockError(
                     f"{call.obj.label}.{call.method} waits on a call to its own object "
-                    f"({f._label or 'a method'}); a persistent object runs one method at a "
+                    f"({site_label(f._site) or 'a method'}); a persistent object runs one method at a "
                     f"time, so that call can never start. Return the future instead "
                     f"(elaboration) or restructure the method.")
             waiter = Waiter(w.engine, w)
@@ -364,10 +394,11 @@ class Engine:
         return bool(self.inbox or self.ready)
 
     def step(self, timeout: Optional[float]) -> None:
+        if self.n_releases >= RELEASE_BATCH:
+            self.flush_releases()
         if self.inbox or self.ready:
             self.process()
             return
-        self.flush_releases()
         if self.timers:
             left = self.timers[0][0] - time.monotonic()
             timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
@@ -386,6 +417,15 @@ class Engine:
         while inbox:
             src, bufs, load = inbox.popleft()
             self.loads[src] = load
+            b0 = bufs[0]
+            if b0[0] == _V:
+                _, ok, a0, a1 = _VGET.unpack_from(b0)
+                self._on_value(((a0, a1), None), ok, bufs[1], bufs[2:])
+                continue
+            if b0[0] == _W:
+                _, ok, a0, a1, c0, c1 = _VARC.unpack_from(b0)
+                self._on_value(((a0, a1), (c0, c1)), ok, bufs[1], bufs[2:])
+                continue
             try:
                 msg = marshal.loads(bufs[0], bufs[1:])
             except Exception as e:
@@ -421,25 +461,23 @@ class Engine:
         op = msg[0]
         if op == CALL:
             self._on_call(src, msg)
-        elif op == VALUE:
-            self._on_value(msg[1], msg[2], msg[3], msg[4])
         elif op == FORWARD:
             self._on_forward(msg[1], msg[2], msg[3])
         elif op == RELEASE:
             self._on_release(msg[1])
         elif op == RSR:
             self._on_rsr(msg)
+        elif op == READY:
+            self._on_ready(msg[1])
         elif op == SHUTDOWN:
             self.stopping = True
 
     def _on_call(self, src, msg) -> None:
-        _, fid, kind, target, method, args, kwargs, arcs, hops = msg
-        call = Call(fid, kind, target, method, args, kwargs, arcs, hops, src)
-        call.pinned = bool(hops & 1)
-        slot = self.slots.get(fid)
-        if slot is None:
+        _, fid, kind, target, method, args, kwargs, arcs, route = msg
+        call = Call(fid, kind, target, method, args, kwargs, arcs, route, fid[0])
+        if fid not in self.slots:
             self.slots[fid] = Slot()
-        if kind == REGULAR and not call.pinned and self._maybe_transfer(call, msg):
+        if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg):
             return
         self.active += 1
         if arcs:
@@ -470,14 +508,14 @@ class Engine:
 
     def _maybe_transfer(self, call: Call, msg: tuple) -> bool:
         pl = self.placement
-        hops = msg[8] >> 1
+        hops = msg[8] >> 2
         if hops >= pl.transfer_limit or self.load() < pl.threshold:
             return False
         dest = pl.choose(self, exclude=self.id)
         if dest is None or dest == self.id:
             return False
         slot = self.slots[call.fid]
-        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 1),)
+        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3),)
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
         self.send(dest, fwd)
@@ -646,10 +684,18 @@ class Engine:
                 err.__cause__ = errors.RemoteTraceback(getattr(value, "__mf_tb__", ""))
             data, bufs = marshal.dumps(_portable_exception(err, self.id))
             ok = False
-        return ok, pickle.PickleBuffer(data), [pickle.PickleBuffer(b) for b in bufs]
+        return ok, data, bufs
 
     def send_error(self, dest: int, label, exc: BaseException) -> None:
-        self.send(dest, (VALUE, label, *self._pickle_value(False, exc)))
+        self.send_value(dest, label, *self._pickle_value(False, exc))
+
+    def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any]) -> None:
+        a, c = label
+        if c is None:
+            head = _VGET.pack(_V, ok, a[0], a[1])
+        else:
+            head = _VARC.pack(_W, ok, a[0], a[1], c[0], c[1])
+        self.send_frame(dest, [head, data, *bufs])
 
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
@@ -679,9 +725,21 @@ class Engine:
             if value._state == FINISHED:
                 ok, value = (value._exc is None), (value._value if value._exc is None else value._exc)
             else:
+                if call.route & EAGER:
+                    slot.subs.append((call.fid[0], (call.fid, None)))
                 self._alias(call.fid, slot, value._fid, value._home, value)
                 return
-        self._complete(call.fid, slot, *self._pickle_value(ok, value))
+        ok, data, bufs = self._pickle_value(ok, value)
+        if call.route & EAGER:
+            size = len(data)
+            for b in bufs:
+                size += b.raw().nbytes
+            if size <= EAGER_MAX:
+                self.stats.values_sent += 1
+                self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
+            else:
+                self.send(call.fid[0], (READY, call.fid))
+        self._complete(call.fid, slot, ok, data, bufs)
 
     def _complete(self, fid, slot: Slot, ok, data, bufs) -> None:
         slot.state = FINISHED
@@ -694,7 +752,7 @@ class Engine:
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
         self.stats.values_sent += 1
-        self.send(dest, (VALUE, label, slot.ok, slot.data, slot.bufs))
+        self.send_value(dest, label, slot.ok, slot.data, slot.bufs)
 
     def _alias(self, fid, slot: Slot, to_fid, home: int, keep: Any) -> None:
         # Elaboration and transfer: the value will come from elsewhere; pass
@@ -743,7 +801,11 @@ class Engine:
         if not ok:
             value = _restore_exception(value)
         if label[1] is None:
-            f = self.asked.pop(label[0], None)
+            fid = label[0]
+            f = self.asked.pop(fid, None)
+            ref = self.eager.pop(fid, None)
+            if f is None and ref is not None:
+                f = ref()
             if f is not None:
                 f._set(ok, value)
             return
@@ -762,6 +824,15 @@ class Engine:
             self._pump(call.obj)
         else:
             self.spawn(self._run_free, call)
+
+    def _on_ready(self, fid) -> None:
+        ref = self.eager.pop(fid, None)
+        f = ref() if ref is not None else None
+        if f is None or f._state == FINISHED:
+            return
+        f._ready_remote = True
+        if f._asked:
+            self.forward(f, self.id, (fid, None))
 
     # ------------------------------------------------------------------ RSR
     def _on_rsr(self, msg) -> None:
@@ -808,6 +879,12 @@ class Engine:
                 fn()
             return
         exc = errors.ContextLost(peer, how)
+        for fid, ref in list(self.eager.items()):
+            f = ref()
+            if f is None or f._home == peer:
+                del self.eager[fid]
+                if f is not None:
+                    f._set(False, exc)
         for fid, f in list(self.asked.items()):
             if f._home == peer:
                 del self.asked[fid]

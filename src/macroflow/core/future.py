@@ -39,9 +39,10 @@ class Future:
     """
 
     __slots__ = ("_engine", "_fid", "_home", "_target", "_state", "_value", "_exc",
-                 "_asked", "_waiters", "_callbacks", "_escaped", "_label", "__weakref__")
+                 "_asked", "_waiters", "_callbacks", "_escaped", "_site", "_eager", "_ready_remote",
+                 "__weakref__")
 
-    def __init__(self, engine: Any, fid: FutureId, home: int, target: Any = None, label: str = ""):
+    def __init__(self, engine: Any, fid: FutureId, home: int, target: Any = None, site: Any = None):
         self._engine = engine
         self._fid = fid
         self._home = home
@@ -53,7 +54,9 @@ class Future:
         self._waiters: List[Any] = []
         self._callbacks: List[Callable[["Future"], Any]] = []
         self._escaped = False
-        self._label = label
+        self._site = site  # the call site: its label, and how its futures get used
+        self._eager = False  # the home sends the value unasked (learned strict use)
+        self._ready_remote = False  # eager, but too large: the home said it is ready
 
     # -- the public surface ------------------------------------------------
     def done(self) -> bool:
@@ -152,8 +155,33 @@ class Future:
 
     def __repr__(self) -> str:
         state = "pending" if self._state == PENDING else ("error" if self._exc else "done")
-        what = f" {self._label}" if self._label else ""
+        what = f" {site_label(self._site)}" if self._site else ""
         return f"<Future{what} {self._fid[0]}.{self._fid[1]} @ctx{self._home} {state}>"
+
+
+class CallSite:
+    """What the engine learns about one call site (a method, or an internal call).
+
+    ``strict`` counts how many of its recent futures the caller asked for with
+    ``result()`` before passing them anywhere: Mentat's compiler knew statically
+    where a result would be used; macroflow learns it at run time, and when a
+    site is strict the producer sends small values back unasked, saving the
+    request message.
+
+    Example:
+        >>> CallSite("Accumulator.add").strict
+        0
+    """
+
+    __slots__ = ("label", "strict")
+
+    def __init__(self, label: str):
+        self.label = label
+        self.strict = 0
+
+
+def site_label(site: Any) -> str:
+    return site if isinstance(site, str) else getattr(site, "label", "")
 
 
 def _rebuild(fid: FutureId, home: int, target: Any) -> Future:

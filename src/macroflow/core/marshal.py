@@ -83,6 +83,42 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+class _Encoder:
+    """A reusable pickler: building a Pickler per message costs more than the
+    pickling of a small call, so each process keeps one and resets it."""
+
+    def __init__(self) -> None:
+        self.f = io.BytesIO()
+        self.bufs: List[pickle.PickleBuffer] = []
+        self.busy = False
+        self.p = _Pickler(self.f, protocol=5, buffer_callback=self._keep)
+
+    def _keep(self, buf: pickle.PickleBuffer) -> bool:
+        # Returning False takes the buffer out of band; small ones stay inline.
+        if buf.raw().nbytes >= OOB_THRESHOLD:
+            self.bufs.append(buf)
+            return False
+        return True
+
+    def dumps(self, obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
+        if self.busy:  # re-entered from a __reduce__: use a fresh one
+            return _Encoder().dumps(obj)
+        self.busy = True
+        f = self.f
+        try:
+            self.p.dump(obj)
+            return f.getvalue(), self.bufs
+        finally:
+            f.seek(0)
+            f.truncate()
+            self.p.clear_memo()
+            self.bufs = []
+            self.busy = False
+
+
+_encoder = _Encoder()
+
+
 def dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
     """Pickle ``obj`` into an in-band stream and a list of out-of-band buffers.
 
@@ -92,18 +128,7 @@ def dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
         >>> len(bufs), loads(data, bufs)["a"].shape
         (1, (100000,))
     """
-    bufs: List[pickle.PickleBuffer] = []
-
-    def keep(buf: pickle.PickleBuffer) -> bool:
-        # Returning False takes the buffer out of band; small ones stay inline.
-        if buf.raw().nbytes >= OOB_THRESHOLD:
-            bufs.append(buf)
-            return False
-        return True
-
-    f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=keep).dump(obj)
-    return f.getvalue(), bufs
+    return _encoder.dumps(obj)
 
 
 def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:

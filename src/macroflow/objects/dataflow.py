@@ -6,7 +6,9 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..core.context import SYSTEM, current_engine
-from ..core.future import Future
+from ..core.future import CallSite, Future
+
+_STATS_SITE = CallSite("stats")
 
 
 def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[Future], List[Future]]:
@@ -111,6 +113,6 @@ def stats() -> Dict[int, Dict[str, int]]:
     """
     eng = current_engine()
     live = [c for c in range(eng.size) if c not in eng.lost]
-    futs = {c: eng.issue(SYSTEM, "stats", "stats", (), {}, c, label="stats", pinned=True)
+    futs = {c: eng.issue(SYSTEM, "stats", "stats", (), {}, c, site=_STATS_SITE, pinned=True)
             for c in live}
     return {c: f.result() for c, f in futs.items()}

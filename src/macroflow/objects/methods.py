@@ -14,11 +14,12 @@ from ..core.errors import CallError
 
 
 class MethodInfo:
-    __slots__ = ("name", "label", "nmin", "nmax", "sig", "simple")
+    __slots__ = ("name", "label", "nmin", "nmax", "sig", "simple", "strict")
 
     def __init__(self, cls: type, name: str, fn: Callable[..., Any]):
         self.name = name
         self.label = f"{cls.__qualname__}.{name}"
+        self.strict = 0  # see core.future.CallSite: a MethodInfo is a call site
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):

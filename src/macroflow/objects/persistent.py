@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from ..core import errors
 from ..core.context import CREATE, DESTROY, PERSISTENT, REGULAR, current_engine
-from ..core.future import Future
+from ..core.future import CallSite, Future
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
@@ -89,7 +89,7 @@ class PersistentHandle:
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = current_engine()
         return eng.issue(PERSISTENT, (self.oid,), info.name, args, kwargs, self.context,
-                         label=info.label, oid=self.oid)
+                         site=info, oid=self.oid)
 
     def destroy(self) -> Future:
         """Destroy the object after the calls already sent to it; returns a Future.
@@ -102,7 +102,7 @@ class PersistentHandle:
         """
         eng = current_engine()
         return eng.issue(PERSISTENT, (self.oid,), DESTROY, (), {}, self.context,
-                         label=f"{self.cls.__qualname__}.destroy", oid=self.oid)
+                         site=CallSite(f"{self.cls.__qualname__}.destroy"), oid=self.oid)
 
     @property
     def gptr(self) -> GlobalPointer:
@@ -165,7 +165,7 @@ class RegularHandle:
         else:
             dest, pinned = eng.placement.place_call(eng), False
         return eng.issue(REGULAR, (self.cls, self.args, self.kwargs), info.name, args, kwargs,
-                         dest, label=info.label, pinned=pinned)
+                         dest, site=info, pinned=pinned)
 
     def __reduce__(self):
         return (RegularHandle, (self.cls, self.args, self.kwargs, self.on))
@@ -181,7 +181,7 @@ def _create_persistent(cls: type, *args: Any, on: Optional[int] = None, **kwargs
     dest = eng.placement.place_object(eng) if on is None else _check_on(eng, on)
     oid = eng.new_fid()
     fut = eng.issue(CREATE, (oid, cls), None, args, kwargs, dest,
-                    label=f"{cls.__qualname__}.create", fid=oid)
+                    site=CallSite(f"{cls.__qualname__}.create"), fid=oid)
     return PersistentHandle(cls, oid, dest, fut)
 
 
