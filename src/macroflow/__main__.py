@@ -1,0 +1,7 @@
+"""``python -m macroflow`` is the ``macroflow`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
