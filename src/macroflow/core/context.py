@@ -246,6 +246,8 @@ class Engine:
         self.stats.calls_issued += 1
         if dest != self.id:
             self.loads[dest] += 1
+        else:
+            self.active += 1  # queued here already: the next placement must see it
         self.send_frame(dest, [data, *bufs] if bufs else [data])
         return fut
 
@@ -477,9 +479,10 @@ class Engine:
         call = Call(fid, kind, target, method, args, kwargs, arcs, route, fid[0])
         if fid not in self.slots:
             self.slots[fid] = Slot()
-        if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg):
+        if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg, src):
             return
-        self.active += 1
+        if src != self.id:
+            self.active += 1
         if arcs:
             tokens = self.tokens
             for label, home in arcs:
@@ -506,11 +509,14 @@ class Engine:
         elif call.missing == 0:
             self.spawn(self._run_free, call)
 
-    def _maybe_transfer(self, call: Call, msg: tuple) -> bool:
+    def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
         pl = self.placement
         hops = msg[8] >> 2
-        if hops >= pl.transfer_limit or self.load() < pl.threshold:
+        # a call from here was counted when issued, a remote one not yet
+        if hops >= pl.transfer_limit or self.load() - (src == self.id) < pl.threshold:
             return False
+        if src == self.id:
+            self.active -= 1
         dest = pl.choose(self, exclude=self.id)
         if dest is None or dest == self.id:
             return False
@@ -580,6 +586,7 @@ class Engine:
     def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
         if call.kind == CREATE:
             cls = call.target[1]
+            self.stats.calls_executed += 1
             try:
                 args, kwargs = self._args(call)
                 inst = cls.__new__(cls)

@@ -1,0 +1,36 @@
+"""Shared fixtures: run a test body on every transport, and check that no
+process outlives the test (the runtime's promise, checked after every test)."""
+
+import os
+
+import psutil
+import pytest
+
+import macroflow as mf
+
+TRANSPORTS = ["inproc", "local"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    """The name of a transport; a test using it runs once per transport."""
+    return request.param
+
+
+@pytest.fixture
+def run(transport):
+    """``run(main, contexts=N, **kw)``: mf.run on the test's transport."""
+
+    def _run(main, *args, contexts=3, **kw):
+        return mf.run(main, *args, contexts=contexts, transport=transport, **kw)
+
+    return _run
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    yield
+    mf.shutdown()
+    me = psutil.Process(os.getpid())
+    left = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], f"processes left behind: {left}"

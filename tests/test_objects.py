@@ -1,0 +1,613 @@
+"""Mentat parallel objects: the semantics the issue lists, on every transport."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.persistent
+class Accumulator:
+    def __init__(self, start=0):
+        self.total = start
+
+    def add(self, x):
+        self.total += x
+        return self.total
+
+    @mf.guard(lambda self: self.total > 0)
+    def take(self):
+        self.total -= 1
+        return self.total
+
+
+@mf.regular
+class Math:
+    def square(self, x):
+        return x * x
+
+    def add(self, a, b):
+        return a + b
+
+    def total(self, xs):
+        return sum(xs)
+
+    def where(self):
+        return mf.context_id()
+
+    def make(self, n):
+        return np.ones(n, dtype=np.uint8)
+
+    def fail(self, msg):
+        raise ValueError(msg)
+
+
+class Ref:
+    """Carries a future as a value: futures inside plain objects are not arcs."""
+
+    def __init__(self, f):
+        self.f = f
+
+
+@mf.persistent
+class Gate:
+    """Calls to wait() are held until open() is called."""
+
+    def __init__(self):
+        self.is_open = False
+
+    def open(self):
+        self.is_open = True
+
+    @mf.guard(lambda self: self.is_open)
+    def wait(self, x=None):
+        return x
+
+
+@mf.persistent
+class Box:
+    def __init__(self):
+        self.items = []
+        self.inside = 0
+        self.max_inside = 0
+
+    def put(self, x):
+        self.items.append(x)
+        return len(self.items)
+
+    def get_all(self):
+        return list(self.items)
+
+    def wait_then_put(self, fut_holder, x):
+        # waits inside a method: the object stays busy (monitor)
+        self.inside += 1
+        self.max_inside = max(self.max_inside, self.inside)
+        fut_holder.f.result()
+        self.items.append(x)
+        self.inside -= 1
+        return x
+
+    def stats(self):
+        return self.max_inside
+
+    def consume(self, arr):
+        return int(arr.sum())
+
+    def where(self):
+        return mf.context_id()
+
+
+@mf.persistent
+class Log:
+    def __init__(self):
+        self.n = 0
+
+    def write(self, gate_future_holder):
+        mf.rtf("queued")
+        gate_future_holder.f.result()  # keeps working after the caller has its answer
+        self.n += 1
+
+    def count(self):
+        return self.n
+
+
+@mf.persistent
+class Forwarder:
+    def __init__(self):
+        self.calls = 0
+
+    def relay(self, gate):
+        self.calls += 1
+        return gate.wait("relayed")  # elaboration: hands its place on
+
+    def ping(self):
+        self.calls += 1
+        return "pong"
+
+
+@mf.persistent
+class SelfWaiter:
+    def __init__(self):
+        self.me = None
+
+    def set_me(self, me):
+        self.me = me
+
+    def bad(self):
+        return self.me.ping().result()
+
+    def ping(self):
+        return 1
+
+
+def test_issue_example(run):
+    def main():
+        acc = Accumulator.create(10)
+        m = Math()
+        w = m.square(4)
+        x = m.square(5)
+        y = m.add(w, x)
+        acc.add(y)
+        return acc.add(0).result()
+
+    assert run(main, contexts=4) == 51
+
+
+def test_calls_do_not_block_the_caller(run):
+    def main():
+        g = Gate.create()
+        f = g.wait(7)  # cannot run yet; returns at once
+        assert not f.done()
+        g.open()
+        return f.result()
+
+    assert run(main) == 7
+
+
+def test_futures_in_lists_tuples_dicts_are_arcs(run):
+    def main():
+        m = Math()
+        a, b = m.square(2), m.square(3)
+        return (m.total([a, b, 10]).result(),
+                m.total((a, 1)).result(),
+                m.add({"k": a}["k"], b).result(),
+                Math().total([[a][0], b]).result())
+
+    assert run(main) == (23, 5, 13, 13)
+
+
+def test_dataflow_value_skips_the_caller():
+    # An 8 MB array made on context 1 and consumed on context 2: context 0
+    # only ever sees small messages.
+    def main():
+        maker = Math.create(on=1)
+        box = Box.create(on=2)
+        arr = maker.make(8 * 2**20)
+        total = box.consume(arr)
+        assert total.result() == 8 * 2**20
+        return mf.stats()
+
+    st = mf.run(main, contexts=3, transport="local")
+    assert st[0]["bytes_received"] < 2**20
+    assert st[2]["bytes_received"] >= 8 * 2**20
+    assert st[1]["bytes_sent"] >= 8 * 2**20
+
+
+def test_result_is_fetched_only_when_asked():
+    def main():
+        maker = Math.create(on=1)
+        f = maker.make(4 * 2**20)
+        mf.wait([Math.create(on=1).square(1)])  # ctx 1 has run make() by now
+        before = mf.stats()[0]["bytes_received"]
+        f.result()
+        after = mf.stats()[0]["bytes_received"]
+        return before, after
+
+    before, after = mf.run(main, contexts=2, transport="local")
+    assert before < 2**20
+    assert after - before >= 4 * 2**20
+
+
+def test_elaboration_hands_the_place_on(run):
+    def main():
+        g = Gate.create(on=1)
+        fw = Forwarder.create(on=2)
+        f = fw.relay(g)
+        # Forwarder is not waiting for the gate: it answers another call at once
+        assert fw.ping().result() == "pong"
+        assert not f.done()
+        g.open()
+        return f.result()
+
+    assert run(main) == "relayed"
+
+
+def test_rtf_answers_early_and_keeps_working(run):
+    def main():
+        g = Gate.create(on=1)
+        log = Log.create(on=2)
+        first = log.write(Ref(g.wait(None)))
+        assert first.result() == "queued"  # the gate is still shut
+        later = log.count()  # waits until write() has finished
+        g.open()
+        return later.result()
+
+    assert run(main) == 1
+
+
+def test_persistent_calls_run_in_order(run):
+    def main():
+        b = Box.create()
+        for i in range(200):
+            b.put(i)
+        return b.get_all().result()
+
+    assert run(main) == list(range(200))
+
+
+def test_persistent_object_runs_one_method_at_a_time(run):
+    def main():
+        g = Gate.create(on=1)
+        b = Box.create(on=2)
+        hold = Ref(g.wait(None))
+        fs = [b.wait_then_put(hold, i) for i in range(5)]
+        g.open()
+        mf.gather(fs)
+        return b.stats().result(), b.get_all().result()
+
+    max_inside, items = run(main)
+    assert max_inside == 1
+    assert items == list(range(5))
+
+
+def test_guard_lets_later_calls_pass(run):
+    def main():
+        acc = Accumulator.create(0)
+        t = acc.take()  # guard false: waits
+        a = acc.add(5)  # passes it
+        return a.result(), t.result()
+
+    assert run(main) == (5, 4)
+
+
+@mf.persistent
+class BoundedBuffer:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = []
+
+    @mf.guard(lambda self: len(self.items) < self.capacity)
+    def put(self, x):
+        self.items.append(x)
+
+    @mf.guard(lambda self: len(self.items) > 0)
+    def get(self):
+        return self.items.pop(0)
+
+
+@mf.persistent
+class Producer:
+    def run(self, buf, items):
+        for x in items:
+            buf.put(x).result()  # blocks this method only while the buffer is full
+        return len(items)
+
+
+@mf.persistent
+class Consumer:
+    def run(self, buf, n):
+        return [buf.get().result() for _ in range(n)]
+
+
+def test_bounded_buffer_across_contexts(run):
+    def main():
+        buf = BoundedBuffer.create(2, on=1)
+        p1, p2 = Producer.create(on=2), Producer.create(on=3)
+        c = Consumer.create(on=3)
+        n1 = p1.run(buf, list(range(0, 20)))
+        n2 = p2.run(buf, list(range(100, 120)))
+        got = c.run(buf, 40)
+        assert (n1.result(), n2.result()) == (20, 20)
+        return got.result(), mf.stats()
+
+    got, st = run(main, contexts=4)
+    assert sorted(got) == list(range(0, 20)) + list(range(100, 120))
+    # each producer's items arrive in its own order
+    assert [x for x in got if x < 100] == list(range(20))
+    assert [x for x in got if x >= 100] == list(range(100, 120))
+
+
+def test_regular_calls_spread_over_contexts(run):
+    def main():
+        m = Math()
+        return mf.gather([m.where() for _ in range(12)])
+
+    where = run(main, contexts=3)
+    assert len(set(where)) >= 2
+
+
+def test_waiting_method_does_not_stall_its_context(run):
+    def main():
+        g = Gate.create(on=1)
+        b = Box.create(on=2)
+        other = Box.create(on=2)
+        stuck = b.wait_then_put(Ref(g.wait(None)), 1)
+        # another object in the same context is served meanwhile
+        assert other.put(5).result() == 1
+        assert not stuck.done()
+        g.open()
+        return stuck.result()
+
+    assert run(main) == 1
+
+
+def test_waiting_on_a_call_to_oneself_is_an_error(run):
+    def main():
+        s = SelfWaiter.create(on=1)
+        s.set_me(s)
+        return s.bad().exception()
+
+    err = run(main)
+    assert isinstance(err, mf.DeadlockError)
+    assert "SelfWaiter.bad" in str(err) and "its own object" in str(err)
+
+
+def test_handles_and_futures_are_values(run):
+    def main():
+        b = Box.create(on=1)
+        m = Math()
+        f = m.square(6)
+        b.put([f])  # nested inside a list inside a list: an arc at the second level
+        b.put(b)  # a handle as an argument
+        items = b.get_all().result()
+        return items[0], items[1] == b
+
+    assert run(main) == ([36], True)
+
+
+def test_context_id_and_num_contexts(run):
+    def main():
+        return mf.context_id(), mf.num_contexts(), Box.create(on=2).where().result()
+
+    assert run(main, contexts=3) == (0, 3, 2)
+
+
+def test_stats_counters(run):
+    def main():
+        b = Box.create(on=1)
+        b.put(1).result()
+        return mf.stats()
+
+    st = run(main, contexts=2)
+    assert set(st) == {0, 1}
+    for key in ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "calls_executed"):
+        assert key in st[1]
+    assert st[1]["calls_executed"] >= 2  # create + put
+
+
+def test_message_count_of_a_sync_call():
+    # A sync call on a remote persistent object costs three messages the
+    # first times (call, request, value) and two once the call site is known
+    # to be used strictly (the value comes back unasked).
+    def main():
+        b = Box.create(on=1)
+        b.put(0).result()
+        counts = []
+        for i in range(4):
+            s0 = mf.stats()[0]
+            b.put(i).result()
+            s1 = mf.stats()[0]
+            counts.append((s1["messages_sent"] - s0["messages_sent"] - 1,
+                           s1["messages_received"] - s0["messages_received"] - 1))
+        return counts
+
+    counts = mf.run(main, contexts=2, transport="local")
+    assert counts[-1] == (1, 1)
+    assert all(sent in (1, 2) and recv == 1 for sent, recv in counts)
+
+
+def test_destroy(run):
+    def main():
+        b = Box.create(on=1)
+        b.put(1)
+        b.destroy().result()
+        return b.get_all().exception()
+
+    err = run(main)
+    assert isinstance(err, mf.ObjectDestroyed)
+    assert "destroyed" in str(err)
+
+
+@mf.persistent
+class Broken:
+    def __init__(self):
+        raise RuntimeError("no constructor for you")
+
+    def ping(self):
+        return 1
+
+
+def test_constructor_failure(run):
+    def main():
+        b = Broken.create()
+        return b.created.exception(), b.ping().exception()
+
+    ctor_err, call_err = run(main)
+    assert isinstance(ctor_err, RuntimeError)
+    assert isinstance(call_err, mf.ObjectDestroyed)
+    assert "no constructor for you" in str(call_err)
+
+
+def test_remote_exception_keeps_type_message_and_traceback(run):
+    def main():
+        return Math().fail("bad input 42").exception()
+
+    err = run(main)
+    assert isinstance(err, ValueError)
+    assert str(err) == "bad input 42"
+    assert isinstance(err.__cause__, mf.RemoteTraceback)
+    assert "in fail" in err.__cause__.text
+
+
+def test_remote_exception_raises_from_result(run):
+    def main():
+        with pytest.raises(ValueError, match="boom"):
+            Math().fail("boom").result()
+        return True
+
+    assert run(main)
+
+
+def test_exception_flows_through_arcs(run):
+    def main():
+        m = Math()
+        return m.add(m.fail("upstream"), 1).exception()
+
+    err = run(main)
+    assert isinstance(err, ValueError) and "upstream" in str(err)
+
+
+def test_unknown_method_fails_at_call_site(run):
+    def main():
+        with pytest.raises(mf.CallError, match=r"Accumulator has no method 'nope'"):
+            Accumulator.create(1).nope()
+        with pytest.raises(mf.CallError, match=r"Math has no method 'nope'"):
+            Math().nope(1)
+        return True
+
+    assert run(main)
+
+
+def test_wrong_arity_fails_at_call_site(run):
+    def main():
+        with pytest.raises(mf.CallError, match=r"Accumulator.add\(\)"):
+            Accumulator.create(1).add(1, 2)
+        with pytest.raises(mf.CallError, match=r"Math.square\(\)"):
+            Math().square()
+        with pytest.raises(mf.CallError, match=r"Accumulator\(\)"):
+            Accumulator.create(1, 2, 3)
+        return True
+
+    assert run(main)
+
+
+def test_unpicklable_argument_fails_at_call_site(run):
+    def main():
+        with pytest.raises(mf.CallError, match=r"Math.square.*lock"):
+            Math().square(threading.Lock())
+        return True
+
+    assert run(main)
+
+
+def test_result_timeout(run):
+    def main():
+        g = Gate.create(on=1)
+        f = g.wait(1)
+        with pytest.raises(mf.TimeoutError):
+            f.result(timeout=0.2)
+        with pytest.raises(TimeoutError):  # also the builtin
+            f.result(timeout=0.05)
+        done, pending = mf.wait([f], timeout=0.05)
+        assert (done, pending) == ([], [f])
+        g.open()
+        return f.result(timeout=30)
+
+    assert run(main) == 1
+
+
+def test_inproc_reports_deadlock_instead_of_hanging():
+    def main():
+        g = Gate.create(on=1)
+        with pytest.raises(mf.DeadlockError):
+            g.wait(1).result()
+        return True
+
+    assert mf.run(main, contexts=2, transport="inproc")
+
+
+def test_gather_and_wait(run):
+    def main():
+        m = Math()
+        fs = [m.square(i) for i in range(10)]
+        done, pending = mf.wait(fs)
+        return mf.gather(fs + [99]), len(done), pending
+
+    assert run(main) == ([i * i for i in range(10)] + [99], 10, [])
+
+
+def test_numpy_out_of_band_roundtrip(run):
+    def main():
+        b = Box.create(on=1)
+        a = np.arange(1_000_000, dtype=np.float64)
+        b.put(a)
+        back = b.get_all().result()[0]
+        back[0] = 5.0  # writable: rebuilt on a buffer of its own
+        return float(back.sum() - 5.0), float(a.sum()), back.flags.writeable
+
+    got, want, writable = run(main, contexts=2)
+    assert got == want and writable
+
+
+def test_call_by_value(run):
+    def main():
+        b = Box.create()
+        data = [1, 2]
+        b.put(data)
+        data.append(3)  # the call already has its copy
+        return b.get_all().result()
+
+    assert run(main) == [[1, 2]]
+
+
+def test_lambdas_and_local_functions_travel_by_value(run):
+    @mf.regular
+    class Local:  # defined in a function: pickled by value
+        def apply(self, f, x):
+            return f(x)
+
+    def main():
+        k = 3
+        return Local().apply(lambda x: x * k, 14).result()
+
+    assert run(main, contexts=2) == 42
+
+
+def test_bad_run_arguments():
+    with pytest.raises(ValueError, match="contexts"):
+        mf.run(lambda: 1, contexts=0)
+    with pytest.raises(ValueError, match="transport"):
+        mf.run(lambda: 1, contexts=1, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="placement policy"):
+        mf.run(lambda: 1, contexts=1, placement="nearest")
+
+
+def test_not_running_error():
+    with pytest.raises(RuntimeError, match="not running"):
+        Math().square(1)
+
+
+def test_on_must_name_a_context(run):
+    def main():
+        with pytest.raises(ValueError, match="on=7"):
+            Box.create(on=7)
+        with pytest.raises(TypeError, match="on="):
+            Box.create(on="two")
+        return True
+
+    assert run(main, contexts=2)
+
+
+def test_decorator_misuse():
+    with pytest.raises(TypeError, match="decorates a class"):
+        mf.persistent(lambda: 1)
+
+    with pytest.raises(TypeError, match="defines 'create'"):
+        @mf.persistent
+        class Bad:
+            def create(self):
+                pass
