@@ -229,7 +229,8 @@ class Engine:
         if (args and _has_future(args)) or (kwargs and _has_future(kwargs.values())):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
         eager = site is not None and getattr(site, "strict", 0) >= 2
-        route = ((1 if dest != self.id else 0) << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
+        # the caller's manager placed it: that decision is the first of transfer_limit moves
+        route = (1 << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
         try:
             data, bufs = marshal.dumps((CALL, fid, kind, target, method, args, kwargs, arcs, route))
         except marshal.PICKLE_ERRORS as e:
@@ -848,20 +849,22 @@ class Engine:
         if thread == "inline":
             self.in_inline = True
             try:
-                handler(target, *args)
-            except Exception:
-                traceback.print_exc()
+                self._run_rsr(gid, handler, target, args)
             finally:
                 self.in_inline = False
-            self.stats.rsr_executed += 1
         else:
-            def run():
-                try:
-                    handler(target, *args)
-                except Exception:
-                    traceback.print_exc()
-                self.stats.rsr_executed += 1
-            self.spawn(run)
+            self.spawn(self._run_rsr, gid, handler, target, args)
+
+    def _run_rsr(self, gid, handler, target, args) -> None:
+        try:
+            handler(target, *args)
+        except Exception:
+            traceback.print_exc()
+        self.stats.rsr_executed += 1
+        if gid[0] == "object":
+            obj = self.objects.get(gid[1])
+            if obj is not None:
+                self._pump(obj)  # the handler may have changed what the guards see
 
     def resolve(self, gid) -> Any:
         kind, ident = gid

@@ -1,0 +1,260 @@
+"""Contexts that die, teardown on every exit path, init/shutdown, the CLI."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import macroflow as mf
+from macroflow.core.context import SYSTEM, current_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.persistent
+class Gate:
+    def __init__(self):
+        self.is_open = False
+
+    def open(self):
+        self.is_open = True
+
+    @mf.guard(lambda self: self.is_open)
+    def wait(self, x=None):
+        return x
+
+    def pid(self):
+        return os.getpid()
+
+
+@mf.regular
+class Work:
+    def echo(self, x):
+        return x
+
+
+def _pid_of(ctx):
+    eng = current_engine()
+    return eng.issue(SYSTEM, "pid", "pid", (), {}, ctx, pinned=True).result()
+
+
+def test_killed_context_fails_waiting_futures():
+    def main():
+        g = Gate.create(on=1)
+        f = g.wait(1)  # never opens
+        os.kill(_pid_of(1), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(mf.ContextLost) as info:
+            f.result(timeout=20)
+        took = time.monotonic() - t0
+        # later calls to the lost context fail at once
+        late = g.open().exception(timeout=5)
+        return info.value, took, late
+
+    err, took, late = mf.run(main, contexts=2)
+    assert err.context == 1
+    assert "SIGKILL" in str(err) and "context 1" in str(err)
+    assert took < 5
+    assert isinstance(late, mf.ContextLost)
+
+
+def test_context_exiting_fails_arcs_on_other_contexts():
+    def main():
+        g = Gate.create(on=1)
+        f = g.wait(1)
+        consumer = Work.create(on=2).echo(f)  # an arc from context 1 to context 2
+        os.kill(_pid_of(1), signal.SIGKILL)
+        return consumer.exception(timeout=20)
+
+    err = mf.run(main, contexts=3)
+    assert isinstance(err, mf.ContextLost) and err.context == 1
+
+
+def test_context_exit_code_is_reported():
+    def main():
+        g = Gate.create(on=1)
+        f = g.wait(1)
+        current_engine().issue(SYSTEM, "exit", "exit", (3,), {}, 1, pinned=True)
+        return f.exception(timeout=20)
+
+    err = mf.run(main, contexts=2)
+    assert isinstance(err, mf.ContextLost)
+    assert "exited with code 3" in str(err)
+
+
+def test_exception_in_main_tears_down():
+    def main():
+        Gate.create(on=1).pid().result()
+        raise KeyError("main failed")
+
+    with pytest.raises(KeyError, match="main failed"):
+        mf.run(main, contexts=3)
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_run_returns_after_teardown():
+    pids = mf.run(lambda: [_pid_of(c) for c in (1, 2)], contexts=3)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_init_context_manager_and_nesting():
+    with mf.init(contexts=2) as session:
+        assert mf.num_contexts() == 2
+        assert Work.create(on=1).echo(5).result() == 5
+        with pytest.raises(RuntimeError, match="already running"):
+            mf.init(contexts=2)
+    assert session.closed
+    with pytest.raises(RuntimeError, match="not running"):
+        mf.context_id()
+
+
+def test_shutdown_without_context_manager():
+    mf.init(contexts=2)
+    assert Work().echo(1).result() == 1
+    mf.shutdown()
+    assert psutil.Process().children(recursive=True) == []
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "prog.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+MAIN_CLASSES = """
+import macroflow as mf, os, sys
+
+@mf.regular
+class Square:
+    def go(self, x):
+        return x * x, mf.context_id()
+
+def main():
+    vals = mf.gather([Square.create(on=c).go(c + 1) for c in range(mf.num_contexts())])
+    return vals
+
+if __name__ == "__main__":
+    print(mf.run(main, contexts=3))
+    # defined after the first computation: sent by value to the new contexts
+    @mf.regular
+    class Late:
+        def go(self):
+            return "late", mf.context_id()
+    with mf.init(contexts=2):
+        print(Late.create(on=1).go().result())
+"""
+
+
+def test_main_module_classes_work(tmp_path):
+    out = subprocess.run([sys.executable, _script(tmp_path, MAIN_CLASSES)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "[(1, 0), (4, 1), (9, 2)]"
+    assert lines[1] == "('late', 1)"
+
+
+def test_cli_run(tmp_path):
+    script = _script(tmp_path, MAIN_CLASSES)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", script],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[(1, 0), (4, 1)]"
+
+
+def test_cli_info():
+    out = subprocess.run([sys.executable, "-m", "macroflow", "info"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "transports" in out.stdout and "local" in out.stdout and "inproc" in out.stdout
+
+
+def test_cli_run_missing_script():
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", "/nonexistent.py"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no such file" in out.stderr
+
+
+CTRL_C = """
+import macroflow as mf, sys
+
+@mf.persistent
+class Gate:
+    def __init__(self):
+        self.open = False
+    @mf.guard(lambda self: self.open)
+    def wait(self):
+        return 1
+
+def main():
+    g = Gate.create(on=1)
+    f = g.wait()
+    print("ready", flush=True)
+    f.result()
+
+if __name__ == "__main__":
+    try:
+        mf.run(main, contexts=3)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+"""
+
+
+def test_ctrl_c_tears_everything_down(tmp_path):
+    proc = subprocess.Popen([sys.executable, _script(tmp_path, CTRL_C)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert len(kids) == 2
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "interrupted" in out
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+KILL_PARENT = """
+import macroflow as mf, os, sys
+
+@mf.regular
+class W:
+    def pid(self):
+        return os.getpid()
+
+def main():
+    pids = mf.gather([W.create(on=c).pid() for c in (1, 2)])
+    print(" ".join(map(str, pids)), flush=True)
+    sys.stdin.readline()
+
+mf.run(main, contexts=3)
+"""
+
+
+def test_contexts_die_with_a_killed_parent(tmp_path):
+    proc = subprocess.Popen([sys.executable, _script(tmp_path, KILL_PARENT)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        kids = [psutil.Process(p) for p in pids]
+        proc.kill()
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,106 @@
+"""Instantiation managers: transfer policy, transfer limit, location policies, on=."""
+
+import collections
+
+import pytest
+
+import macroflow as mf
+from macroflow.core.placement import Placement
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.regular
+class Where:
+    def ctx(self):
+        return mf.context_id()
+
+
+@mf.persistent
+class Obj:
+    def ctx(self):
+        return mf.context_id()
+
+
+def _spread(run, placement, n=40, contexts=4):
+    def main():
+        h = Where()
+        return collections.Counter(mf.gather([h.ctx() for _ in range(n)]))
+
+    return run(main, contexts=contexts, placement=placement)
+
+
+def test_round_robin_uses_every_context(run):
+    counts = _spread(run, "round-robin")
+    assert set(counts) == {0, 1, 2, 3}
+    assert max(counts.values()) - min(counts.values()) <= 2
+
+
+def test_random_policy_is_seedable(run):
+    a = _spread(run, Placement("random", seed=7))
+    b = _spread(run, Placement("random", seed=7))
+    assert a == b
+    assert len(a) >= 3
+
+
+def test_best_most_recently_prefers_idle_contexts(run):
+    counts = _spread(run, "best-most-recently")
+    assert len(counts) >= 3
+
+
+def test_threshold_keeps_calls_local(run):
+    counts = _spread(run, Placement("round-robin", threshold=1000))
+    assert counts == {0: 40}
+
+
+def test_threshold_zero_sends_every_call_by_policy(run):
+    counts = _spread(run, Placement("round-robin", threshold=0))
+    assert set(counts) == {0, 1, 2, 3}
+
+
+def test_on_overrides_placement(run):
+    def main():
+        pinned = Where.create(on=2)
+        objs = [Obj.create(on=3) for _ in range(3)]
+        return (mf.gather([pinned.ctx() for _ in range(10)]),
+                mf.gather([o.ctx() for o in objs]))
+
+    calls, objs = run(main, contexts=4, placement=Placement("round-robin", threshold=1000))
+    assert calls == [2] * 10 and objs == [3] * 3
+
+
+def test_persistent_objects_avoid_context_zero(run):
+    def main():
+        return [Obj.create().ctx().result() for _ in range(6)]
+
+    where = run(main, contexts=3)
+    assert 0 not in where and set(where) == {1, 2}
+
+
+def test_transfer_limit_lets_loaded_managers_pass_calls_on():
+    # Context 0 sends everything to the policy's choice; with a transfer limit
+    # of 2, a receiving manager over its threshold may pass a call on again.
+    def main():
+        h = Where()
+        res = mf.gather([h.ctx() for _ in range(60)])
+        st = mf.stats()
+        return res, sum(s["calls_transferred"] for s in st.values())
+
+    res, transferred = mf.run(main, contexts=3, transport="inproc",
+                              placement=Placement("round-robin", threshold=0, transfer_limit=2))
+    assert len(res) == 60 and transferred > 0
+
+    res, transferred = mf.run(main, contexts=3, transport="inproc",
+                              placement=Placement("round-robin", threshold=0, transfer_limit=1))
+    assert transferred == 0
+
+
+def test_placement_validation():
+    with pytest.raises(ValueError, match="placement policy"):
+        Placement("closest")
+    with pytest.raises(ValueError, match="threshold"):
+        Placement(threshold=-1)
+    with pytest.raises(ValueError, match="transfer_limit"):
+        Placement(transfer_limit=-2)
+    with pytest.raises(TypeError, match="placement"):
+        Placement.make(3.5)

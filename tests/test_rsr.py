@@ -1,0 +1,143 @@
+"""Nexus substrate: global pointers and remote service requests."""
+
+import pickle
+
+import numpy as np
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.persistent
+class Mailbox:
+    def __init__(self):
+        self.got = []
+
+    def items(self):
+        return list(self.got)
+
+    @mf.guard(lambda self: len(self.got) >= 2)
+    def when_two(self):
+        return list(self.got)
+
+
+def deposit(box, x):
+    box.got.append((x, mf.context_id()))
+
+
+def deposit_after_wait(box, fut_ref):
+    box.got.append(fut_ref[0].result())  # waits: needs its own thread
+
+
+def fill(arr, value):
+    arr[:] = value
+
+
+@mf.persistent
+class Holder:
+    def __init__(self):
+        self.arr = np.zeros(8)
+        self.g = None
+
+    def export_array(self):
+        self.g = mf.export(self.arr)
+        return self.g
+
+    def total(self):
+        return float(self.arr.sum())
+
+
+@mf.regular
+class Slow:
+    def value(self, x):
+        return x
+
+
+class Wrap:
+    def __init__(self, f):
+        self.f = f
+
+    def __getitem__(self, i):
+        return self.f
+
+
+def test_rsr_inline_runs_handler_on_target(run):
+    def main():
+        box = Mailbox.create(on=1)
+        mf.rsr(box.gptr, deposit, "a")
+        mf.rsr(box.gptr, deposit, "b")
+        return box.when_two().result()
+
+    assert run(main, contexts=2) == [("a", 1), ("b", 1)]
+
+
+def test_rsr_new_thread_may_wait(run):
+    def main():
+        box = Mailbox.create(on=1)
+        f = Slow.create(on=0).value(99)
+        mf.rsr(box.gptr, deposit_after_wait, Wrap(f), thread="new")
+        mf.rsr(box.gptr, deposit, "x")
+        return box.when_two().result()
+
+    got = run(main, contexts=2)
+    assert sorted(map(str, got)) == sorted(map(str, [99, ("x", 1)]))
+
+
+def test_rsr_on_exported_buffer(run):
+    def main():
+        h = Holder.create(on=1)
+        g = h.export_array().result()
+        assert g.context == 1 and g.kind == "export"
+        mf.rsr(g, fill, 2.5)
+        return h.total().result()
+
+    assert run(main, contexts=2) == 20.0
+
+
+def test_global_pointer_is_a_picklable_value(run):
+    def main():
+        box = Mailbox.create(on=1)
+        g = box.gptr
+        g2 = pickle.loads(pickle.dumps(g))
+        return g == g2, hash(g) == hash(g2), g.protocol_names(), g.context
+
+    same, same_hash, protos, ctx = run(main, contexts=2)
+    assert same and same_hash and ctx == 1 and len(protos) == 1
+
+
+def test_rsr_bad_input(run):
+    def main():
+        box = Mailbox.create(on=1)
+        with pytest.raises(ValueError, match="thread"):
+            mf.rsr(box.gptr, deposit, 1, thread="sometimes")
+        with pytest.raises(TypeError, match="GlobalPointer"):
+            mf.rsr("ctx1", deposit, 1)
+        with pytest.raises(TypeError, match="callable"):
+            mf.rsr(box.gptr, 42)
+        wrong = mf.GlobalPointer(1, "object", box.oid, (("carrier-pigeon", "coop"),))
+        with pytest.raises(ValueError, match="reachable by"):
+            mf.rsr(wrong, deposit, 1)
+        return True
+
+    assert run(main, contexts=2)
+
+
+def _wait_inline(box, ref):
+    try:
+        ref[0].result()
+    except mf.DeadlockError as e:
+        box.got.append(str(e))
+
+
+def test_inline_handler_cannot_wait(run):
+    def main():
+        box = Mailbox.create(on=1)
+        f = Slow.create(on=0).value(1)
+        mf.rsr(box.gptr, _wait_inline, Wrap(f))
+        mf.rsr(box.gptr, deposit, "after")
+        return box.when_two().result()
+
+    got = run(main, contexts=2)
+    assert "thread='new'" in got[0]
