@@ -155,7 +155,7 @@ def pingpong(mode, iters=2000, warmup=200, payload=None, spin_us=20):
     region, as they would be for any real RPC.  ``payload``, if given, is
     sent as the call's single argument instead of ``1``.
 
-    >>> r = pingpong("blocking", iters=200)    # doctest: +SKIP
+    >>> r = pingpong("blocking", iters=200)
     >>> r["mode"], r["iters"], r["median_us"] > 0
     ('blocking', 200, True)
     """
@@ -244,7 +244,7 @@ def bandwidth(nbytes=16 * 2**20, iters=20, warmup=3, _corrupt_for_test=False):
     ``mb_per_s`` counts both directions: ``2 * nbytes / round_trip``.  The
     first (warm-up) round trip is checked byte for byte on both sides.
 
-    >>> r = bandwidth(2**20, iters=5)    # doctest: +SKIP
+    >>> r = bandwidth(2**20, iters=5)
     >>> r["nbytes"], r["verified"], r["mb_per_s"] > 0
     (1048576.0, 1.0, True)
     """
@@ -289,7 +289,7 @@ def fork_roundtrip_startup(runs=5):
     This is the startup cost of a raw forked worker (it grows with the
     parent's memory size, since fork copies page tables).
 
-    >>> r = fork_roundtrip_startup()    # doctest: +SKIP
+    >>> r = fork_roundtrip_startup()
     >>> r["runs"], r["median_us"] > 0
     (5.0, True)
     """

@@ -46,6 +46,9 @@ def forget_main_snapshot() -> None:
     _main_snapshot = None
 
 
+_ref_ok: dict = {}  # id(obj) -> (obj, can go by reference)
+
+
 def _needs_value(obj: Any) -> bool:
     qualname = getattr(obj, "__qualname__", "")
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -55,9 +58,18 @@ def _needs_value(obj: Any) -> bool:
         if _main_snapshot is None:
             return False
         return _main_snapshot.get(qualname) is not obj
-    if module is not None and module not in sys.modules:
-        return True
-    return False
+    hit = _ref_ok.get(id(obj))
+    if hit is not None and hit[0] is obj:
+        return not hit[1]
+    # By reference only if the receiver can find it by name: defined by exec,
+    # doctest or a notebook under a module name that does not hold it, it
+    # travels by value.
+    found: Any = sys.modules.get(module) if module else None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    ok = found is obj
+    _ref_ok[id(obj)] = (obj, ok)
+    return not ok
 
 
 def _load_by_value(blob: bytes) -> Any:

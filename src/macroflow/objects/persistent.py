@@ -65,7 +65,8 @@ class PersistentHandle:
         ...     def incr(self): self.n += 1; return self.n
         >>> with mf.init(contexts=2, transport="inproc"):
         ...     c = Counter.create()
-        ...     c.incr(); c.incr().result()
+        ...     _ = c.incr()
+        ...     c.incr().result()
         2
     """
 
