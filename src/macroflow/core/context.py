@@ -174,6 +174,7 @@ class Engine:
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
         self.stopping = False
+        self.dispatching = False
         self.in_inline = False
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
@@ -190,7 +191,11 @@ class Engine:
         data, bufs = marshal.dumps(header)
         self.send_frame(dest, [data, *bufs])
 
-    def send_frame(self, dest: int, parts: List[Any]) -> None:
+    def send_frame(self, dest: int, parts: List[Any], urgent: bool = False) -> None:
+        # While the engine dispatches a batch of messages, what it sends is
+        # queued and leaves in one write per peer when the batch is done;
+        # calls made by user code (urgent) leave at once, so a method that
+        # calls out and then computes does not hold its calls back.
         if dest == self.id:
             # call-by-value holds for calls to one's own context too
             self.inbox.append((dest, [bytes(parts[0])] + [bytearray(_raw(p)) for p in parts[1:]],
@@ -199,7 +204,10 @@ class Engine:
         if dest in self.lost:
             return
         try:
-            n = self.transport.send(dest, parts, self.active + self.base_load)
+            if self.dispatching and not urgent:
+                n = self.transport.queue(dest, parts, self.active + self.base_load)
+            else:
+                n = self.transport.send(dest, parts, self.active + self.base_load)
         except ConnectionError:
             return  # peer_lost has been (or will be) called with the reason
         st = self.stats
@@ -249,7 +257,7 @@ class Engine:
             self.loads[dest] += 1
         else:
             self.active += 1  # queued here already: the next placement must see it
-        self.send_frame(dest, [data, *bufs] if bufs else [data])
+        self.send_frame(dest, [data, *bufs] if bufs else [data], urgent=True)
         return fut
 
     def _make_arcs(self, args, kwargs, fid, dest):
@@ -410,10 +418,13 @@ class Engine:
 
     def process(self) -> None:
         prev, _state.current = _state.current, self
+        self.dispatching = True
         try:
             self._process()
         finally:
+            self.dispatching = False
             _state.current = prev
+            self.transport.flush()
 
     def _process(self) -> None:
         inbox = self.inbox

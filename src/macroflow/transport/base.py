@@ -58,6 +58,12 @@ class Transport(abc.ABC):
         Returns True if anything was delivered.
         """
 
+    def queue(self, dest: int, parts: Sequence[object], load: int) -> int:
+        """Like :meth:`send`, but the frame may wait for :meth:`flush`, so that
+        the frames one dispatch round produces leave in one write. Order with
+        :meth:`send` on the same destination is kept."""
+        return self.send(dest, parts, load)
+
     def flush(self) -> None:
         """Push out every queued frame (a no-op where sends complete at once)."""
 
