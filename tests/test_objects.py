@@ -611,3 +611,7 @@ def test_decorator_misuse():
         class Bad:
             def create(self):
                 pass
+
+
+def test_main_may_return_a_future(run):
+    assert run(lambda: Math().square(9)) == 81

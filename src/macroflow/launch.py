@@ -317,7 +317,8 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, tr
         placement: Any = None, spin_us: Optional[float] = None, **kwargs: Any) -> Any:
     """Run ``main(*args, **kwargs)`` on context 0 of a new computation and return its value.
 
-    Everything is torn down afterwards, whether main returns or raises.
+    If main returns a Future, its value is returned. Everything is torn down
+    afterwards, whether main returns or raises.
 
     Example:
         >>> import macroflow as mf
@@ -331,5 +332,9 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, tr
         >>> mf.run(main, contexts=2, transport="inproc")
         41
     """
+    from .core.future import Future
     with init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us):
-        return main(*args, **kwargs)
+        result = main(*args, **kwargs)
+        if isinstance(result, Future):  # main handed its place on: wait here
+            result = result.result()
+        return result
