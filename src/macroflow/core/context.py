@@ -110,7 +110,7 @@ class Slot:
 class HostedObject:
     """A persistent object living in this context: a monitor with a call queue."""
 
-    __slots__ = ("oid", "cls", "instance", "queue", "busy", "state", "error", "label")
+    __slots__ = ("oid", "cls", "instance", "queue", "busy", "state", "error", "label", "guarded")
 
     def __init__(self, oid, label):
         self.oid = oid
@@ -121,6 +121,7 @@ class HostedObject:
         self.state = "new"  # new -> live | broken -> destroyed
         self.error: Optional[BaseException] = None
         self.label = label
+        self.guarded: frozenset = frozenset()  # names of methods with a guard
 
 
 def _describe(target, method) -> str:
@@ -513,6 +514,7 @@ class Engine:
             call.obj = obj
             if kind == CREATE:
                 obj.cls = target[1]
+                obj.guarded = _guarded_methods(target[1])
                 obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
                 obj.queue.appendleft(call)
             else:
@@ -556,8 +558,7 @@ class Engine:
         if obj.state == "new":
             # nothing runs before the constructor, which may still be on its way
             return q.popleft() if head.kind == CREATE and head.missing == 0 else None
-        if head.missing == 0 and (obj.state != "live" or head.method == DESTROY or
-                                  getattr(getattr(obj.cls, head.method, None), "__mf_guard__", None) is None):
+        if head.missing == 0 and (head.method not in obj.guarded or obj.state != "live"):
             return q.popleft()
         blocked = set()
         for i, call in enumerate(q):
@@ -928,6 +929,18 @@ class Engine:
                  tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
                  load=self.load(), pid=os.getpid())
         return d
+
+
+def _guarded_methods(cls) -> frozenset:
+    found = cls.__dict__.get("__mf_guarded__")
+    if found is None:
+        found = frozenset(n for n in dir(cls)
+                          if getattr(getattr(cls, n, None), "__mf_guard__", None) is not None)
+        try:
+            setattr(cls, "__mf_guarded__", found)
+        except (AttributeError, TypeError):
+            pass
+    return found
 
 
 def _raw(p) -> memoryview:

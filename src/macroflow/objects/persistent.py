@@ -70,21 +70,17 @@ class PersistentHandle:
         2
     """
 
-    __slots__ = ("cls", "oid", "context", "created", "_methods")
-
     def __init__(self, cls: type, oid: Any, context: int, created: Optional[Future] = None):
         self.cls = cls
         self.oid = oid
         self.context = context
         self.created = created
-        self._methods: dict = {}
 
     def __getattr__(self, name: str) -> _RemoteMethod:
         if name.startswith("__"):
             raise AttributeError(name)
-        m = self._methods.get(name)
-        if m is None:
-            m = self._methods[name] = _RemoteMethod(self, method_info(self.cls, name))
+        # cached in the instance dict: later lookups do not come here
+        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
         return m
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
@@ -142,21 +138,16 @@ class RegularHandle:
         6
     """
 
-    __slots__ = ("cls", "args", "kwargs", "on", "_methods")
-
     def __init__(self, cls: type, args: tuple = (), kwargs: Optional[dict] = None, on: Optional[int] = None):
         self.cls = cls
         self.args = args
         self.kwargs = kwargs or {}
         self.on = on
-        self._methods: dict = {}
 
     def __getattr__(self, name: str) -> _RemoteMethod:
         if name.startswith("__"):
             raise AttributeError(name)
-        m = self._methods.get(name)
-        if m is None:
-            m = self._methods[name] = _RemoteMethod(self, method_info(self.cls, name))
+        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
         return m
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
