@@ -68,3 +68,14 @@ def test_reentrant_dumps():
 
 def test_buffer_nbytes():
     assert marshal.buffer_nbytes([b"ab", bytearray(3), memoryview(b"xyz")]) == 8
+
+
+def test_encoder_starts_afresh_after_a_big_message():
+    # clear_memo() is as slow as the largest memo ever held, so a big message
+    # (a RELEASE of many futures) must not leave its memo to every later one
+    enc = marshal._encoder
+    small = enc.p
+    marshal.dumps((0, (0, 1), "null", (1,)))
+    assert enc.p is small
+    marshal.dumps((3, [(0, i) for i in range(50000)]))
+    assert enc.p is not small

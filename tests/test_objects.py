@@ -615,3 +615,58 @@ def test_decorator_misuse():
 
 def test_main_may_return_a_future(run):
     assert run(lambda: Math().square(9)) == 81
+
+
+@mf.persistent
+class Waiter:
+    def wait_with_timeout(self, ref, t):
+        try:
+            ref.f.result(timeout=t)
+        except mf.TimeoutError:
+            return "timed out"
+        return "done"
+
+    def wait_all(self, ref):
+        done, pending = mf.wait([ref.f], timeout=0.1)
+        return len(done), len(pending)
+
+
+def test_timeouts_inside_methods(run):
+    def main():
+        g = Gate.create(on=1)
+        w = Waiter.create(on=2)
+        ref = Ref(g.wait(1))
+        a = w.wait_with_timeout(ref, 0.1).result()
+        b = w.wait_all(ref).result()
+        g.open()
+        c = w.wait_with_timeout(ref, 30).result()
+        return a, b, c
+
+    assert run(main) == ("timed out", (0, 1), "done")
+
+
+def test_done_callback(run):
+    def main():
+        got = []
+        f = Math().square(12)
+        f.add_done_callback(lambda fut: got.append(fut.result()))
+        f.result()
+        f.add_done_callback(lambda fut: got.append(-1))  # already done: runs at once
+        return got
+
+    assert run(main) == [144, -1]
+
+
+def test_strict_call_sites_get_values_unasked_but_arcs_stay_lazy():
+    def main():
+        maker = Math.create(on=1)
+        box = Box.create(on=2)
+        for _ in range(3):
+            maker.square(3).result()  # the site becomes strict
+        before = mf.stats()[0]["bytes_received"]
+        total = box.consume(maker.make(4 * 2**20))  # a different site, used as an arc
+        assert total.result() == 4 * 2**20
+        after = mf.stats()[0]["bytes_received"]
+        return after - before
+
+    assert mf.run(main, contexts=3, transport="local") < 2**20

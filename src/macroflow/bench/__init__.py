@@ -23,7 +23,7 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
         quick: far fewer iterations (a smoke run of well under a minute).
 
     Example:
-        >>> main("nonesuch")  # doctest: +SKIP
+        >>> main("nonesuch")
         2
     """
     if suite == "micro":

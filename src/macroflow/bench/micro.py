@@ -51,9 +51,16 @@ Composites
 Extras
   chain per link         contexts=3, A on 1 and B on 2: x = A.f(x); x = B.f(x)
                          x 50, caller gathers only the last; time / 100
+                         (also on 2 contexts, B on context 0)
   startup                mf.run(main, contexts=4) until main has the answer
                          of a first call on context 3 (fork included)
-  idle context RSS       psutil on context 1's pid, asked with a system call
+  idle context memory    psutil on context 1's pid (asked with a system call)
+                         in a minimal program run by a fresh interpreter, and
+                         in a context forked from this bench process
+
+A warm-up session first pipelines a batch and drops its futures, so that every
+round starts from the same process state (the runtime's reused pickler keeps
+the memo size of the largest message it has pickled).
 
 Run ``macroflow bench micro [--quick] [--json FILE]``.
 """
@@ -74,7 +81,7 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.core import marshal
-from macroflow.core.context import CALL, PERSISTENT, SYSTEM, Call, Slot, current_engine
+from macroflow.core.context import CALL, PERSISTENT, RELEASE, SYSTEM, Call, Slot, current_engine
 from macroflow.core.future import CallSite, Future
 
 from . import baselines
@@ -112,7 +119,7 @@ class Config:
         return dict(vars(self))
 
 
-FULL = Config("full", rounds=5, rtt_iters=2000, rtt_warmup=200, pipe_calls=1000, pipe_batches=5,
+FULL = Config("full", rounds=7, rtt_iters=1500, rtt_warmup=150, pipe_calls=1000, pipe_batches=5,
               local_iters=100_000, create_iters=40, bw_iters=8, chain_reps=15, startup_runs=3,
               baseline_iters=2000,
               metg_grid_us=[10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000,
@@ -282,13 +289,22 @@ def _local_rows(n: int) -> Dict[str, float]:
     eng = current_engine()
     out: Dict[str, float] = {}
     header = (CALL, (0, 123456), PERSISTENT, ((0, 7),), "null", (1,), {}, None, 4)
-    dumps, loads = marshal.dumps, marshal.loads
+    loads = marshal.loads
 
-    def msg(k):
-        for _ in range(k):
-            data, bufs = dumps(header)
-            loads(data, bufs)
-    out["message_new_delete_us"] = _local_us(msg, n)
+    def msg_with(enc):
+        def msg(k):
+            dumps = enc.dumps
+            for _ in range(k):
+                data, bufs = dumps(header)
+                loads(data, bufs)
+        return msg
+    # A fresh encoder, and one that has once pickled the RELEASE of 1000
+    # futures dropped at once (as after mf.gather of a 1000-call batch):
+    # the reused pickler's memo table keeps its largest size.
+    out["message_new_delete_us"] = _local_us(msg_with(marshal._Encoder()), n)
+    used = marshal._Encoder()
+    used.dumps((RELEASE, [(0, i) for i in range(1000)]))
+    out["message_new_delete_after_release_us"] = _local_us(msg_with(used), n)
 
     def instance(k):
         fid = (1, 99)
@@ -298,13 +314,14 @@ def _local_rows(n: int) -> Dict[str, float]:
     out["computation_instance_us"] = _local_us(instance, n)
 
     site = CallSite("bench.future")
-    new_fid = eng.new_fid
+    seq = iter(range(1 << 62))
 
     def future(k):
         for _ in range(k):
-            Future(eng, new_fid(), 1, None, site)  # dropped at once: its release is queued
+            # a future of a call issued by another context: dropping it queues
+            # no release here (releases are part of every call row instead)
+            Future(eng, (-1, next(seq)), 1, None, site)
     out["future_construct_us"] = _local_us(future, n)
-    eng.flush_releases()
 
     keys = [(0, i) for i in range(n)]
     holder: List[Dict[Any, Slot]] = []
@@ -367,7 +384,7 @@ def _pipelined_us(issue: Callable[[int], Any], calls: int, batches: int) -> floa
 
 
 def _issue_only_us(issue: Callable[[int], Any], calls: int, batches: int,
-                   drain: Callable[[], Any]) -> float:
+                   drain: Callable[[Any], Any]) -> float:
     per = []
     for _ in range(batches):
         gc.collect()
@@ -392,7 +409,10 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
         proc = psutil.Process(pid)
         out["idle_rss_mb"] = proc.memory_info().rss / 2**20
         try:
-            out["idle_uss_mb"] = proc.memory_full_info().uss / 2**20
+            full = proc.memory_full_info()
+            out["idle_uss_mb"] = full.uss / 2**20
+            if hasattr(full, "pss"):
+                out["idle_pss_mb"] = full.pss / 2**20
         except Exception:
             pass
     except ImportError:
@@ -463,26 +483,32 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
     out["issue_bookkeeping_us"] = out["message_send_us"] - out["rsr_send_us"]
 
     # add an arc: issuing a call with a pending future argument vs a plain value
+    # (batches of calls // 2, so that no more than ~1000 futures are dropped at once)
+    half = max(1, calls // 2)
     diffs = []
     for b in range(batches * 2):
-        srcs = [p.src() for _ in range(calls)]  # never asked for: stay pending here
+        srcs = [p.src() for _ in range(half)]  # never asked for: stay pending here
         p.null(0).result()
         gc.collect()
-        order = (False, True) if b % 2 else (True, False)
         times = {}
         futs = []
-        for with_arc in order:
+        for with_arc in ((False, True) if b % 2 else (True, False)):
             t0 = _ns()
             if with_arc:
                 fs = [p.take(f) for f in srcs]
             else:
                 fs = [p.take(1) for _ in srcs]
-            times[with_arc] = (_ns() - t0) / calls
+            times[with_arc] = (_ns() - t0) / half
             futs.append(fs)
         for fs in futs:
             mf.gather(fs)
         diffs.append((times[True] - times[False]) / 1e3)
+        del srcs, futs, fs
+        p.null(0).result()  # their releases leave now
     out["add_arc_us"] = _median(diffs)
+
+    # the chain on two contexts: A on context 1, B on context 0 (served while main waits)
+    out["chain_per_link_2ctx_us"] = _chain(Link.create(on=1), Link.create(on=0), cfg)["chain_per_link_us"]
 
     # scheduling: instantiation and destruction
     inst, dest = [], []
@@ -517,9 +543,7 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
     return out
 
 
-def _chain_main(cfg: Config) -> Dict[str, float]:
-    a = Link.create(on=1)
-    b = Link.create(on=2)
+def _chain(a: Any, b: Any, cfg: Config) -> Dict[str, float]:
     a.ping().result(30)
     b.ping().result(30)
     links = cfg.chain_links
@@ -540,6 +564,56 @@ def _chain_main(cfg: Config) -> Dict[str, float]:
             per_link.append((t2 - t0) / links / 1e3)
             issue.append((t1 - t0) / 1e3)
     return {"chain_per_link_us": _median(per_link), "chain100_issue_us": _median(issue)}
+
+
+def _chain_main(cfg: Config) -> Dict[str, float]:
+    return _chain(Link.create(on=1), Link.create(on=2), cfg)
+
+
+def _warm_main(calls: int) -> None:
+    p = Echo.create(on=1)
+    fs = [p.null(i) for i in range(calls)]
+    mf.gather(fs)
+    del fs
+    p.null(0).result()
+
+
+_IDLE_PROGRAM = r"""
+import json, time
+import psutil
+import macroflow as mf
+from macroflow.core.context import SYSTEM, current_engine
+from macroflow.core.future import CallSite
+
+def main():
+    pid = current_engine().issue(SYSTEM, "pid", "pid", (), {}, 1, site=CallSite("pid"),
+                                 pinned=True).result(30)
+    time.sleep(0.05)  # idle
+    p = psutil.Process(pid)
+    full = p.memory_full_info()
+    return {"rss": p.memory_info().rss, "uss": full.uss, "pss": getattr(full, "pss", 0)}
+
+print(json.dumps(mf.run(main, contexts=2)))
+"""
+
+
+def _idle_fresh(runs: int) -> Dict[str, float]:
+    """Idle context memory of a minimal program (a fresh interpreter running
+    mf.run(main, contexts=2)), not of contexts forked from this bench process."""
+    import subprocess
+    rss, uss, pss = [], [], []
+    for _ in range(runs):
+        try:
+            r = subprocess.run([sys.executable, "-c", _IDLE_PROGRAM], capture_output=True, text=True,
+                               timeout=60)
+            d = json.loads(r.stdout.strip().splitlines()[-1])
+        except Exception:
+            continue
+        rss.append(d["rss"] / 2**20)
+        uss.append(d["uss"] / 2**20)
+        pss.append(d["pss"] / 2**20)
+    return {"idle_rss_fresh_mb": _median(rss), "idle_uss_fresh_mb": _median(uss),
+            "idle_pss_fresh_mb": _median(pss)}
 
 
 def _startup_main() -> float:
@@ -593,7 +667,7 @@ def metg_from_curve(curve: List[Dict[str, Any]], level: float = 0.5) -> Dict[str
         >>> c = [{"task_us": 10, "efficiency": 0.2}, {"task_us": 100, "efficiency": 0.6},
         ...      {"task_us": 1000, "efficiency": 0.9}]
         >>> r = metg_from_curve(c); r["metg_grid_us"], round(r["metg_us"])
-        (100, 63)
+        (100, 56)
     """
     pts = sorted(curve, key=lambda p: p["task_us"])
     idx = None
@@ -628,6 +702,7 @@ def _round(cfg: Config) -> Dict[str, Any]:
     bw = baselines.bandwidth(cfg.bw_bytes, iters=cfg.bw_iters, warmup=1)
     out["baseline_bandwidth_mb_s"] = bw["mb_per_s"]
     out.update(_startup(cfg.startup_runs))
+    out.update(_idle_fresh(1))
     out["fork_first_reply_us"] = baselines.fork_roundtrip_startup(runs=cfg.startup_runs)["median_us"]
     # null RPC - 2 x hand-coded one-way busy-poll transport, within the round
     out["total_overhead_us"] = out["null_rpc_persistent_us"] - out["pingpong_busypoll_us"]
@@ -708,9 +783,10 @@ def bars(t1: Dict[str, float], base: Dict[str, float],
         "MB/s")
     v = t1["startup_first_answer_s"]
     bar("mf.run with 4 contexts to first answer < 0.5 s", v, 0.5, v / 0.5, 1.0, "<", "seconds")
-    v = t1.get("idle_rss_mb", float("nan"))
+    v = t1.get("idle_rss_fresh_mb", float("nan"))
     bar("idle context < 50 MB RSS", v, 50.0, v / 50.0, 1.0, "<",
-        f"MB; USS {t1['idle_uss_mb']:.1f} MB" if "idle_uss_mb" in t1 else "MB")
+        f"MB, minimal program; USS {t1.get('idle_uss_fresh_mb', float('nan')):.1f} MB; "
+        f"forked from the bench process: RSS {t1.get('idle_rss_mb', float('nan')):.1f} MB")
     return out
 
 
@@ -718,6 +794,10 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
     """Measure everything; return the figures as one JSON-able dict."""
     cfg = QUICK if quick else FULL
     started = time.perf_counter()
+    # Warm-up: one session that pipelines a batch and drops its futures, so that
+    # every round (not just the first) starts from the same state of this
+    # process, which the contexts of later sessions are forked from.
+    mf.run(_warm_main, cfg.pipe_calls, contexts=2)
     rounds: List[Dict[str, Any]] = []
     for r in range(cfg.rounds):
         progress(f"round {r + 1}/{cfg.rounds}")
@@ -774,6 +854,8 @@ TABLE1_ROWS: List[Tuple[str, str, str, Optional[str], str]] = [
     # (category, label, key, hand-coded key, what macroflow measures)
     ("Communication", "New and delete a message", "message_new_delete_us", None,
      "marshal.dumps+loads of a CALL header"),
+    ("", "  after a 1000-future release", "message_new_delete_after_release_us", None,
+     "same, encoder that once pickled RELEASE of 1000 fids"),
     ("", "Message transport (one way)", "message_transport_us", "oneway_busypoll_us",
      "rsr ping-pong 0<->1 / 2; hand: busy-poll RTT / 2"),
     ("", "Message send (issue a call)", "message_send_us", None, "p.null(i) without waiting"),
@@ -808,11 +890,15 @@ TABLE1_ROWS: List[Tuple[str, str, str, Optional[str], str]] = [
     ("", "Total macroflow overhead", "total_overhead_us", None, "null RPC - 2 x hand one-way busy-poll"),
     ("Extras", "Chain of 100, per link (3 contexts)", "chain_per_link_us", "pingpong_busypoll_us",
      "A.f/B.f alternating on ctx 1/2"),
+    ("", "Chain of 100, per link (2 contexts)", "chain_per_link_2ctx_us", "pingpong_busypoll_us",
+     "A on ctx 1, B on ctx 0 (main serves it while waiting)"),
     ("", "Startup to first answer, 4 ctx (s)", "startup_first_answer_s", None,
      "mf.run incl. fork; hand (us): fork+ping above"),
     ("", "Startup incl. teardown, 4 ctx (s)", "startup_total_s", None, ""),
-    ("", "Idle context RSS (MB)", "idle_rss_mb", None, "psutil on context 1"),
-    ("", "Idle context USS (MB)", "idle_uss_mb", None, "pages not shared with the parent"),
+    ("", "Idle context RSS (MB)", "idle_rss_fresh_mb", None, "psutil on context 1 of a minimal program"),
+    ("", "Idle context USS (MB)", "idle_uss_fresh_mb", None, "  its pages not shared with context 0"),
+    ("", "Idle context PSS (MB)", "idle_pss_fresh_mb", None, "  shared pages divided among sharers"),
+    ("", "Idle context RSS, bench (MB)", "idle_rss_mb", None, "context 1 forked from this bench process"),
 ]
 
 
@@ -909,6 +995,61 @@ def report(res: Dict[str, Any], out=None) -> None:
     render_table(f"Peers ({PEERS_NOTE})", ["figure", "us"], rows, out)
 
 
+def markdown(res: Dict[str, Any]) -> str:
+    """The tables of :func:`report` as Markdown, for docs/benchmarks.md.
+
+    ``python -m macroflow.bench.micro results.json`` prints it for a saved run.
+    """
+    t1, base, meta = res["table1"], res["baselines"], res["meta"]
+    lines = [f"Run: {meta['time']}, {meta['platform']}, {meta['cpus']} cpus, python {meta['python']}, "
+             f"numpy {meta['numpy']}, transport local, spin_us {meta['spin_us']:g}, "
+             f"{meta['config']['rounds']} rounds ({'quick' if meta['quick'] else 'full'}), "
+             f"{meta['elapsed_s']:.0f} s; 1-minute load average per round "
+             f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_1min_per_round', []) if x is not None)}.",
+             "", "### Table I", "",
+             "| category | row | macroflow | hand-coded (same run) | Mentat Sun | Mentat Paragon | what macroflow measures |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for cat, label, key, hkey, note in TABLE1_ROWS:
+        mentat = MENTAT.get(key or "", (None, None))
+        cells = [cat, label.strip(), _fmt(t1.get(key) if key else None),
+                 _fmt(base.get(hkey) if hkey else None), _fmt(mentat[0]), _fmt(mentat[1]), note]
+        lines.append("| " + " | ".join(cells) + " |")
+    t2, rates = res["table2"], res["flops"]
+    inp = t2["inputs_us"]
+    lines += ["", "### Table II", "",
+              f"{t2['formula']}, with MS = {inp['MS']:.1f} us (message send), MT = {inp['MT']:.1f} us "
+              f"(message transport), BP = {inp['BP']:.2f} us (block predicate). Flop rates measured "
+              f"here: {rates['python_flops'] / 1e6:.0f} Mflop/s for a pure-Python scalar loop "
+              f"(x = x*a + b) and {rates['numpy_flops'] / 1e9:.1f} Gflop/s for a 384x384 numpy matmul.", "",
+              "| | FT us k=2 | FT us k=4 | Python flops k=2 | Python flops k=4 | numpy flops k=2 | numpy flops k=4 |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, tab in (("macroflow (local)", t2["macroflow"]),
+                      ("hand-coded busy-poll (MS = BP = 0)", t2["hand_coded_busypoll"])):
+        lines.append("| " + " | ".join([name] + [_fmt(tab[k][u]) for u in ("ft_us",) for k in ("k=2", "k=4")]
+                                       + [_fmt(tab[k][u]) for u in ("ft_python_flops", "ft_numpy_flops")
+                                          for k in ("k=2", "k=4")]) + " |")
+    for name, (a, b, c, d) in MENTAT_TABLE2.items():
+        lines.append(f"| Mentat {name} (1995) | {_fmt(a)} | {_fmt(b)} | {_fmt(c)} | {_fmt(d)} | - | - |")
+    m = res["metg"]
+    metg = "not reached" if m["metg_us"] is None else \
+        f"**{m['metg_us']:.0f} us** (smallest grid point passing: {m['metg_grid_us']:g} us)"
+    lines += ["", "### METG(50%)", "", f"METG(50%) on 2 contexts: {metg}.", "",
+              "| task us | tasks | wall ms | efficiency % | ran on |", "| ---: | ---: | ---: | ---: | --- |"]
+    for c in m["curve"]:
+        lines.append(f"| {_fmt(c['task_us'])} | {c['n_tasks']} | {_fmt(c['wall_s'] * 1e3)} | "
+                     f"{_fmt(c['efficiency'] * 100)} | "
+                     f"{' '.join(f'ctx{k}:{v}' for k, v in sorted(c['ran_on'].items()))} |")
+    lines += ["", "### Bars", "", "| bar | value | reference | ratio | limit | result | note |",
+              "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+    for b in res["bars"]:
+        result = ("PASS" if b["pass"] else "**FAIL**") if b.get("counted", True) else "(info)"
+        lines.append(f"| {b['bar']} | {_fmt(b['value'])} | {_fmt(b['reference'])} | {_fmt(b['ratio'])} | "
+                     f"{b['op']} {b['limit']:g} | {result} | {b['note']} |")
+    lines += ["", f"Peers ({PEERS_NOTE}): " + ", ".join(
+        f"{k} {_fmt(v)}" for k, v in res["peers"].items() if k != "note") + "."]
+    return "\n".join(lines) + "\n"
+
+
 def main(json_path: Optional[str] = None, quick: bool = False) -> int:
     """Run the suite, print it, optionally write the JSON; returns an exit code."""
     def progress(msg: str) -> None:
@@ -921,3 +1062,13 @@ def main(json_path: Optional[str] = None, quick: bool = False) -> int:
             f.write("\n")
         print(f"\nwrote {json_path}")
     return 0
+
+
+if __name__ == "__main__":
+    # Use the importable module, so that its classes pickle by reference.
+    from macroflow.bench import micro as _micro
+    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        with open(sys.argv[1]) as f:
+            print(_micro.markdown(json.load(f)))
+    else:
+        sys.exit(_micro.main(json_path=None, quick="--quick" in sys.argv))

@@ -25,6 +25,7 @@ import cloudpickle
 
 # Below this a buffer is cheaper to copy into the stream than to carry apart.
 OOB_THRESHOLD = 32 * 1024
+_BIG_DUMP = 4096  # an in-band stream this long may have grown the memo
 
 # Snapshot of __main__ taken when contexts were forked: these objects exist by
 # the same name in every child, so they can travel by reference.
@@ -117,13 +118,20 @@ class _Encoder:
             return _Encoder().dumps(obj)
         self.busy = True
         f = self.f
+        out = b""
         try:
             self.p.dump(obj)
-            return f.getvalue(), self.bufs
+            out = f.getvalue()
+            return out, self.bufs
         finally:
             f.seek(0)
             f.truncate()
-            self.p.clear_memo()
+            if len(out) > _BIG_DUMP:
+                # clear_memo() costs as much as the largest memo the pickler
+                # ever held: after a big message, start from a fresh one
+                self.p = _Pickler(f, protocol=5, buffer_callback=self._keep)
+            else:
+                self.p.clear_memo()
             self.bufs = []
             self.busy = False
 
