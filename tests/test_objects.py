@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import macroflow as mf
+from macroflow.core.context import current_engine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -389,25 +390,68 @@ def test_stats_counters(run):
     assert st[1]["calls_executed"] >= 2  # create + put
 
 
+@mf.persistent
+class Tally:
+    """Used only by the message-count tests, so its call sites start fresh."""
+
+    def __init__(self):
+        self.n = 0
+
+    def bump(self, k=1):
+        self.n += k
+        return self.n
+
+    def seven(self):
+        return 7
+
+    def absorb(self, x):
+        self.n += x
+        return self.n
+
+
+def _ctx0_counts():
+    st = current_engine().stats  # context 0's own counters: reading them sends nothing
+    return st.messages_sent, st.messages_received
+
+
 def test_message_count_of_a_sync_call():
     # A sync call on a remote persistent object costs three messages the
     # first times (call, request, value) and two once the call site is known
     # to be used strictly (the value comes back unasked).
     def main():
-        b = Box.create(on=1)
-        b.put(0).result()
+        t = Tally.create(on=1)
+        t.created.result()
         counts = []
         for i in range(4):
-            s0 = mf.stats()[0]
-            b.put(i).result()
-            s1 = mf.stats()[0]
-            counts.append((s1["messages_sent"] - s0["messages_sent"] - 1,
-                           s1["messages_received"] - s0["messages_received"] - 1))
+            s0, r0 = _ctx0_counts()
+            t.bump().result()
+            s1, r1 = _ctx0_counts()
+            counts.append((s1 - s0, r1 - r0))
         return counts
 
     counts = mf.run(main, contexts=2, transport="local")
-    assert counts[-1] == (1, 1)
-    assert all(sent in (1, 2) and recv == 1 for sent, recv in counts)
+    assert counts == [(2, 1), (2, 1), (1, 1), (1, 1)]
+
+
+def test_message_count_of_a_dataflow_arc():
+    # caller -> consumer: one CALL per call whatever its arguments;
+    # consumer -> producer: one request; producer -> consumer: the value.
+    def main():
+        producer = Tally.create(on=1)
+        consumer = Tally.create(on=2)
+        mf.wait([producer.created, consumer.created])
+        base = mf.stats()
+        s0, r0 = _ctx0_counts()
+        f = consumer.absorb(producer.seven())
+        assert f.result() == 7
+        s1, r1 = _ctx0_counts()
+        after = mf.stats()
+        return (s1 - s0, r1 - r0), {c: after[c]["messages_sent"] - base[c]["messages_sent"] for c in (1, 2)}
+
+    (sent0, recv0), sent = mf.run(main, contexts=3, transport="local")
+    assert (sent0, recv0) == (3, 1)  # two calls and the request for absorb's value
+    assert sent[1] == 1 + 1  # seven's value to context 2, and its stats answer
+    assert sent[2] == 1 + 1 + 1  # the pull, absorb's value, its stats answer
 
 
 def test_destroy(run):
@@ -670,3 +714,19 @@ def test_strict_call_sites_get_values_unasked_but_arcs_stay_lazy():
         return after - before
 
     assert mf.run(main, contexts=3, transport="local") < 2**20
+
+
+def test_values_live_until_their_consumers_have_pulled_them(run):
+    # The futures are dropped at once, so their release races the consumers'
+    # requests; the producer must keep each value until its consumer asked.
+    def main():
+        maker = Math.create(on=1)
+        box = Box.create(on=2)
+        for i in range(300):
+            box.put(maker.square(i))
+        items = box.get_all().result()
+        return items, mf.stats()[1]["values_held"]
+
+    items, held = run(main)
+    assert items == [i * i for i in range(300)]
+    assert held <= 70  # released in batches of 64

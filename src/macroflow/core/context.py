@@ -12,8 +12,11 @@ Message opcodes (the first item of every header):
 CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, hops)
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
-FORWARD   send the value of fid, when known, to dest under label
-RELEASE   the issuer dropped these futures; their values may go
+FORWARD   send the value of fid, when known, to dest under label; the consumer
+          of an arc sends it itself when the call arrives (pull), so the
+          caller sends one message per call whatever its arguments
+RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
+          how many consumers were given the future and may still ask
 RSR       remote service request: (op, gid, handler, args, thread)
 SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
@@ -94,7 +97,8 @@ class Call:
 class Slot:
     """A result held at its home: pending, done (pickled once), or aliased elsewhere."""
 
-    __slots__ = ("state", "ok", "data", "bufs", "subs", "alias", "keep", "released")
+    __slots__ = ("state", "ok", "data", "bufs", "subs", "alias", "keep", "released",
+                 "served", "expect")
 
     def __init__(self):
         self.state = PENDING
@@ -105,6 +109,8 @@ class Slot:
         self.alias: Optional[Tuple[Any, int]] = None
         self.keep: Any = None
         self.released = False
+        self.served = 0  # arc requests answered (or relayed)
+        self.expect = 0  # arc requests the issuer announced when it released
 
 
 class HostedObject:
@@ -292,8 +298,8 @@ class Engine:
             label = (afid, fid)
             if f._site is not None and not f._asked:
                 f._site.strict = 0  # this site's futures feed other calls: route lazily
+            f._arcs += 1  # its home keeps the value until this consumer has asked
             arcs.append((label, f._home))
-            self.forward(f, dest, label)
         return args, kwargs, tuple(arcs)
 
     def forward(self, f: Future, dest: int, label: Any) -> None:
@@ -321,7 +327,7 @@ class Engine:
     def release(self, f: Future) -> None:
         if f._home in self.lost:
             return
-        self.releases.setdefault(f._home, []).append(f._fid)
+        self.releases.setdefault(f._home, []).append((f._fid, f._arcs))
         self.n_releases += 1
 
     def flush_releases(self) -> None:
@@ -506,6 +512,11 @@ class Engine:
                     continue
                 self.awaiting[label] = call
                 call.missing += 1
+                # pull the argument straight from its producer
+                if home == self.id:
+                    self._on_forward(label[0], self.id, label)
+                else:
+                    self.send(home, (FORWARD, label[0], self.id, label))
         if kind == PERSISTENT or kind == CREATE:
             oid = target[0]
             obj = self.objects.get(oid)
@@ -767,8 +778,7 @@ class Engine:
         subs, slot.subs = slot.subs, []
         for dest, label in subs:
             self._send_value(dest, label, slot)
-        if slot.released:
-            self.slots.pop(fid, None)
+        self._maybe_drop(fid, slot)
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
         self.stats.values_sent += 1
@@ -782,6 +792,7 @@ class Engine:
         subs, slot.subs = slot.subs, []
         for dest, label in subs:
             self._relay(to_fid, home, dest, label)
+        self._maybe_drop(fid, slot)
 
     def _relay(self, to_fid, home, dest, label) -> None:
         if home == self.id:
@@ -795,23 +806,33 @@ class Engine:
         slot = self.slots.get(fid)
         if slot is None:
             slot = self.slots[fid] = Slot()  # the call itself has not arrived yet
+        if label[1] is not None:
+            slot.served += 1
         if slot.alias is not None:
             self._relay(slot.alias[0], slot.alias[1], dest, label)
+            self._maybe_drop(fid, slot)
         elif slot.state == FINISHED:
             self._send_value(dest, label, slot)
+            self._maybe_drop(fid, slot)
         else:
             slot.subs.append((dest, label))
 
-    def _on_release(self, fids) -> None:
+    def _maybe_drop(self, fid, slot: Slot) -> None:
+        if slot.released and slot.served >= slot.expect:
+            self.slots.pop(fid, None)
+
+    def _on_release(self, items) -> None:
         slots = self.slots
-        for fid in fids:
+        for fid, arcs in items:
             slot = slots.get(fid)
             if slot is None:
-                continue
+                if not arcs:
+                    continue
+                slot = slots[fid] = Slot()  # consumers will still ask for it
+            slot.released = True
+            slot.expect = arcs
             if slot.state == FINISHED or slot.alias is not None:
-                del slots[fid]
-            else:
-                slot.released = True
+                self._maybe_drop(fid, slot)
 
     def _on_value(self, label, ok, data, bufs) -> None:
         try:

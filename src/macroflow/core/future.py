@@ -39,7 +39,7 @@ class Future:
     """
 
     __slots__ = ("_engine", "_fid", "_home", "_target", "_state", "_value", "_exc",
-                 "_asked", "_waiters", "_callbacks", "_escaped", "_site", "_eager", "_ready_remote",
+                 "_asked", "_waiters", "_callbacks", "_escaped", "_site", "_eager", "_ready_remote", "_arcs",
                  "__weakref__")
 
     def __init__(self, engine: Any, fid: FutureId, home: int, target: Any = None, site: Any = None):
@@ -57,6 +57,7 @@ class Future:
         self._site = site  # the call site: its label, and how its futures get used
         self._eager = False  # the home sends the value unasked (learned strict use)
         self._ready_remote = False  # eager, but too large: the home said it is ready
+        self._arcs = 0  # calls it was passed to as an argument (they pull its value)
 
     # -- the public surface ------------------------------------------------
     def done(self) -> bool:
