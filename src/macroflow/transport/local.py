@@ -36,8 +36,8 @@ _BIG = _RBUF // 2  # buffers larger than this are received in place
 _SOCKBUF = 4 * 1024 * 1024
 _IOV_MAX = 512
 _SMALL = 64 * 1024  # frames up to this size are joined and sent with one send()
-_PREEMPTED = 200e-6  # a gap this long between two polls: someone else had our core
-_CALM = 0.05  # then sleep instead of spinning for this long
+_PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
+_CALM = 0.01  # then sleep instead of spinning for this long
 
 
 def tune(sock: socket.socket) -> None:
