@@ -540,11 +540,11 @@ class Engine:
         # a call from here was counted when issued, a remote one not yet
         if hops >= pl.transfer_limit or self.load() - (src == self.id) < pl.threshold:
             return False
-        if src == self.id:
-            self.active -= 1
         dest = pl.choose(self, exclude=self.id)
         if dest is None or dest == self.id:
             return False
+        if src == self.id:
+            self.active -= 1
         slot = self.slots[call.fid]
         fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3),)
         self.loads[dest] += 1
