@@ -730,3 +730,70 @@ def test_values_live_until_their_consumers_have_pulled_them(run):
     items, held = run(main)
     assert items == [i * i for i in range(300)]
     assert held <= 70  # released in batches of 64
+
+
+@mf.persistent
+class Journal:
+    def __init__(self):
+        self.done = 0
+
+    def append(self, gate):
+        mf.rtf("queued")
+        # keeps computing without yielding to the engine: the answer must
+        # already be on its way
+        while not gate.is_open_now():
+            pass
+        self.done += 1
+
+    def count(self):
+        return self.done
+
+
+class Flag:
+    """Shared through a file so the busy method sees main's signal."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def is_open_now(self):
+        import os
+        return os.path.exists(self.path)
+
+
+def test_rtf_answers_while_the_method_computes(tmp_path):
+    flag = Flag(str(tmp_path / "open"))
+
+    def main():
+        j = Journal.create(on=1)
+        answers = []
+        for i in range(3):  # lazy the first times, eager once the site is strict
+            answers.append(j.append(flag).result(timeout=30))
+            open(flag.path, "w").close()
+            assert j.count().result(timeout=30) == i + 1
+            os.remove(flag.path)
+        return answers
+
+    import os
+    assert mf.run(main, contexts=2, transport="local") == ["queued"] * 3
+
+
+def test_transferred_calls_release_their_values():
+    def main():
+        m = Math()
+        for _ in range(4):
+            mf.gather([m.add(m.square(i), m.square(i + 1)) for i in range(200)])
+        mf.gather([m.square(0) for _ in range(200)])  # push the last releases out
+        return {c: s["values_held"] for c, s in mf.stats().items()}
+
+    held = mf.run(main, contexts=3, transport="local",
+                  placement=mf.Placement("round-robin", threshold=1, transfer_limit=2))
+    assert all(n < 300 for n in held.values()), held
+
+
+def test_remote_traceback_starts_in_user_code(run):
+    def main():
+        return Math().fail("x").exception()
+
+    tb = run(main).__cause__.text
+    first_frame = tb.splitlines()[2]
+    assert "core/context.py" not in first_frame and "test_objects.py" in first_frame

@@ -51,6 +51,7 @@ PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
 
 DESTROY = "__mf_destroy__"
 RELEASE_BATCH = 64
+EARLY_MAX = 4096  # unclaimed early values kept at most (their futures may be gone)
 EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be asked for
 PINNED, EAGER = 1, 2
 # VALUE headers: b"V" ok ctx seq  (label (fid, None)), b"W" ok ctx seq ctx seq (an arc)
@@ -136,8 +137,16 @@ def _describe(target, method) -> str:
     return f"{name}.{method}" if method else name
 
 
+_CORE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def format_remote(exc: BaseException, ctx: int) -> str:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # start at the user's code: the runtime frames that called it say nothing
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and \
+            tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR):
+        tb = tb.tb_next
+    tb = "".join(traceback.format_exception(type(exc), exc, tb))
     return f'Traceback from context {ctx}:\n{tb}'
 
 
@@ -170,6 +179,7 @@ class Engine:
         self.awaiting: Dict[Any, Call] = {}
         self.asked: Dict[Any, Future] = {}  # futures waiting for a value from their home
         self.eager: Dict[Any, Any] = {}  # fid -> weakref of futures whose value comes unasked
+        self.early: Dict[Any, Any] = {}  # values that came before anyone asked (rtf)
         self.adopted: Dict[Any, Any] = {}  # weak map fid -> Future for futures received by value
         self.objects: Dict[Any, HostedObject] = {}
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
@@ -316,6 +326,11 @@ class Engine:
         if f._asked or f._state == FINISHED:
             return
         f._asked = True
+        if self.early:
+            hit = self.early.pop(f._fid, None)
+            if hit is not None:
+                f._set(*hit)
+                return
         site = f._site
         if site is not None and site.strict < 8:
             site.strict += 1
@@ -328,6 +343,8 @@ class Engine:
         if f._home in self.lost:
             return
         self.releases.setdefault(f._home, []).append((f._fid, f._arcs))
+        if self.early:
+            self.early.pop(f._fid, None)
         self.n_releases += 1
 
     def flush_releases(self) -> None:
@@ -761,7 +778,9 @@ class Engine:
                 self._alias(call.fid, slot, value._fid, value._home, value)
                 return
         ok, data, bufs = self._pickle_value(ok, value)
-        if call.route & EAGER:
+        # rtf: the caller is waiting while the method goes on, so the value
+        # goes to it now, unasked, and leaves before the method continues
+        if call.route & EAGER or keep_running:
             size = len(data)
             for b in bufs:
                 size += b.raw().nbytes
@@ -771,6 +790,8 @@ class Engine:
             else:
                 self.send(call.fid[0], (READY, call.fid))
         self._complete(call.fid, slot, ok, data, bufs)
+        if keep_running:
+            self.transport.flush()
 
     def _complete(self, fid, slot: Slot, ok, data, bufs) -> None:
         slot.state = FINISHED
@@ -820,6 +841,12 @@ class Engine:
     def _maybe_drop(self, fid, slot: Slot) -> None:
         if slot.released and slot.served >= slot.expect:
             self.slots.pop(fid, None)
+            alias = slot.alias
+            if alias is not None and slot.keep is None and alias[1] != self.id:
+                # a transferred call: its value lives where the call moved to
+                slot.alias = None
+                if alias[1] not in self.lost:
+                    self.send(alias[1], (RELEASE, [(alias[0], slot.expect)]))
 
     def _on_release(self, items) -> None:
         slots = self.slots
@@ -849,6 +876,11 @@ class Engine:
                 f = ref()
             if f is not None:
                 f._set(ok, value)
+            elif ref is None:
+                # sent before it was asked for (rtf): keep it for when it is
+                if len(self.early) >= EARLY_MAX:
+                    del self.early[next(iter(self.early))]
+                self.early[fid] = (ok, value)
             return
         call = self.awaiting.pop(label, None)
         if call is None:

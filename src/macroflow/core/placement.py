@@ -24,7 +24,9 @@ class Placement:
     Args:
         policy: "round-robin", "random" or "best-most-recently".
         threshold: keep a call local while this context's load is below it.
-            Context 0 counts the running main program as one.
+            Context 0 counts the running main program as one, a context running
+            a method counts that method: with the default of 1, a busy context
+            hands new work to the location policy (which may still choose it).
         transfer_limit: how many times a call may move between contexts.
         seed: for the random policy, to make runs repeatable.
 
@@ -37,7 +39,7 @@ class Placement:
         ('random', 2, 2)
     """
 
-    def __init__(self, policy: str = "round-robin", threshold: int = 2,
+    def __init__(self, policy: str = "round-robin", threshold: int = 1,
                  transfer_limit: int = 1, seed: Optional[int] = None):
         if policy not in POLICIES:
             raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")

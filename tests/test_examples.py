@@ -1,0 +1,141 @@
+"""The examples, the README's example and every Python snippet of docs/guide.md, run
+as the user would run them: each in a fresh interpreter, with small sizes.
+
+Each run carries a unique token in its environment, which every context it forks
+inherits; after it ends, no process with that token may be left.
+"""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def leftovers(token):
+    left = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("MF_EXAMPLE_TOKEN") == token and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return left
+
+
+def run(cmd, timeout=100):
+    """Run ``cmd`` from the repository root; return its stdout, or fail with its output."""
+    token = uuid.uuid4().hex
+    env = dict(os.environ, MF_EXAMPLE_TOKEN=token, PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        left = leftovers(token)
+        for p in left:
+            p.kill()
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert not left, f"{cmd} left processes behind: {left}"
+    return proc.stdout
+
+
+def macroflow_command():
+    script = Path(sys.executable).parent / "macroflow"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("macroflow")
+    return [found] if found else [sys.executable, "-m", "macroflow"]
+
+
+def check_fanout(out, contexts):
+    pi = float(re.search(r"pi ~= ([0-9.]+)", out).group(1))
+    assert abs(pi - math.pi) < 0.02, out
+    assert "match serial: yes" in out, out
+    assert re.search(r"speedup [0-9.]+x", out), out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s", out, re.M)
+    assert [int(c) for c, _ in rows] == list(range(contexts)), out
+    assert sum(int(n) for _, n in rows) >= 1, out
+
+
+@pytest.mark.timeout(120)
+def test_fanout():
+    out = run([sys.executable, "examples/fanout.py", "--contexts", "3",
+               "--tasks-per-worker", "3", "--samples", "200000"])
+    check_fanout(out, 3)
+
+
+@pytest.mark.timeout(120)
+def test_fanout_under_macroflow_run():
+    out = run(macroflow_command() + ["run", "-n", "2", "examples/fanout.py",
+                                     "--tasks-per-worker", "2", "--samples", "100000", "--arity", "2"])
+    assert "k=2 contexts, 4 tasks" in out, out
+    check_fanout(out, 2)
+
+
+@pytest.mark.timeout(120)
+def test_pipeline():
+    out = run([sys.executable, "examples/pipeline.py", "--contexts", "3", "--items", "6",
+               "--min-size", "20000", "--max-size", "100000"])
+    assert "match serial: yes" in out, out
+    rows = re.findall(r"^\s+(\d+)\s+[\d,]+\s+\d+\s+\d+\s+[0-9.]+$", out, re.M)
+    assert [int(i) for i in rows] == list(range(6)), out
+    assert re.search(r"dataflow\s+[0-9.]+ s\s+speedup", out), out
+
+
+@pytest.mark.timeout(120)
+def test_matmul():
+    out = run([sys.executable, "examples/matmul.py", "--contexts", "3", "--size", "300", "--blocks", "3"])
+    assert "k=3 row blocks on 3 contexts" in out, out
+    assert "verified against numpy: yes" in out, out
+    assert re.search(r"C fetched to main\s+[0-9.]+ s", out), out
+
+
+@pytest.mark.timeout(120)
+def test_matmul_more_blocks_than_contexts():
+    # more blocks than contexts, and a size that does not divide evenly
+    out = run([sys.executable, "examples/matmul.py", "--contexts", "2", "--size", "101", "--blocks", "4"])
+    assert "verified against numpy: yes" in out, out
+
+
+def python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.timeout(120)
+def test_readme_example(tmp_path):
+    (block,) = python_blocks(ROOT / "README.md")
+    script = tmp_path / "readme_example.py"
+    script.write_text(block)
+    assert run([sys.executable, str(script)]).strip() == "51"
+
+
+def test_readme_quick_start_matches_ci():
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install -e . && python examples/fanout.py" in readme
+    assert 'pip install -e ".[test]" && python -m pytest -q' in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[test]"' in ci and "-m pytest -q" in ci
+
+
+GUIDE = ROOT / "docs" / "guide.md"
+GUIDE_BLOCKS = python_blocks(GUIDE)
+
+
+def test_guide_has_snippets():
+    assert len(GUIDE_BLOCKS) >= 10
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index", range(len(GUIDE_BLOCKS)))
+def test_guide_snippet_runs(index, tmp_path):
+    script = tmp_path / f"guide_snippet_{index}.py"
+    script.write_text(GUIDE_BLOCKS[index])
+    run([sys.executable, str(script)])
