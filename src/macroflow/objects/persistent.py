@@ -50,7 +50,20 @@ class _RemoteMethod:
         return f"<remote method {self.info.label} of {self.handle!r}>"
 
 
-class PersistentHandle:
+class _Handle:
+    """What both kinds of handle share: ``handle.method`` is a remote method."""
+
+    cls: type
+
+    def __getattr__(self, name: str) -> _RemoteMethod:
+        if name.startswith("__") or name == "cls":  # not set yet: no recursion
+            raise AttributeError(name)
+        # cached in the instance dict: later lookups do not come here
+        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
+        return m
+
+
+class PersistentHandle(_Handle):
     """A reference to one persistent object; calling a method returns a Future.
 
     Handles are values: pass them to other calls, return them from methods,
@@ -75,13 +88,6 @@ class PersistentHandle:
         self.oid = oid
         self.context = context
         self.created = created
-
-    def __getattr__(self, name: str) -> _RemoteMethod:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        # cached in the instance dict: later lookups do not come here
-        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
-        return m
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = current_engine()
@@ -120,7 +126,7 @@ class PersistentHandle:
         return f"<{self.cls.__qualname__} {self.oid[0]}.{self.oid[1]} @ctx{self.context}>"
 
 
-class RegularHandle:
+class RegularHandle(_Handle):
     """An unbound handle to a regular class: no instance until a call needs one.
 
     Each call is placed by the instantiation managers (or on the context given
@@ -143,12 +149,6 @@ class RegularHandle:
         self.args = args
         self.kwargs = kwargs or {}
         self.on = on
-
-    def __getattr__(self, name: str) -> _RemoteMethod:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
-        return m
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = current_engine()

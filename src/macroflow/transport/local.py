@@ -154,16 +154,22 @@ class LocalTransport(Transport):
         if not c.wbuf or c.closed:
             return
         data, c.wbuf = c.wbuf, bytearray()
+        self._send_whole(c, data)
+
+    def _send_whole(self, c: _Conn, data) -> bool:
+        """Send one buffer, finishing it in _drain if the kernel takes part of it;
+        False if the connection failed (it is closed and reported)."""
         try:
             n = c.sock.send(data)
         except BlockingIOError:
             n = 0
         except OSError as e:
             self._close(c, f"send failed: {e}")
-            return
+            return False
         if n < len(data):
             c.outq.append(memoryview(data)[n:])
             self._drain(c)
+        return True
 
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:
         c = self.conns.get(dest)
@@ -185,16 +191,8 @@ class LocalTransport(Transport):
                                       struct.pack(f"<{len(views)}Q", *[v.nbytes for v in views]),
                                       *views])
             if frame is not None:
-                try:
-                    n = c.sock.send(frame)
-                except BlockingIOError:
-                    n = 0
-                except OSError as e:
-                    self._close(c, f"send failed: {e}")
-                    raise ConnectionError(f"context {dest}: {e}") from None
-                if n < len(frame):
-                    c.outq.append(memoryview(frame)[n:])
-                    self._drain(c)
+                if not self._send_whole(c, frame):
+                    raise ConnectionError(f"context {dest}: send failed")
                 return len(frame)
         views = [_view(p) for p in parts]
         head = _HDR.pack(len(views), load) + struct.pack(f"<{len(views)}Q", *[v.nbytes for v in views])
