@@ -797,3 +797,18 @@ def test_remote_traceback_starts_in_user_code(run):
     tb = run(main).__cause__.text
     first_frame = tb.splitlines()[2]
     assert "core/context.py" not in first_frame and "test_objects.py" in first_frame
+
+
+def test_large_receive_buffers_are_reused_once_dropped():
+    def main():
+        b = Box.create(on=1)
+        a = np.ones(4 * 2**20, dtype=np.uint8)
+        for _ in range(6):  # the argument is dropped after each call
+            assert b.consume(a).result() == a.nbytes
+        for _ in range(6):  # the object keeps these: their buffers stay taken
+            b.put(a).result()
+        return mf.stats()[1]
+
+    st = mf.run(main, contexts=2, transport="local")
+    assert st["buffers_reused"] >= 4
+    assert st["buffer_pool_bytes"] <= 64 * 2**20

@@ -51,6 +51,7 @@ PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
 
 DESTROY = "__mf_destroy__"
 RELEASE_BATCH = 64
+BIG_VALUE = 1 << 20  # futures of values this large are released without batching
 EARLY_MAX = 4096  # unclaimed early values kept at most (their futures may be gone)
 EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be asked for
 PINNED, EAGER = 1, 2
@@ -343,6 +344,10 @@ class Engine:
         if f._home in self.lost:
             return
         self.releases.setdefault(f._home, []).append((f._fid, f._arcs))
+        if f._big:
+            # the home holds large buffers for it: free them at the next step
+            # (not from here: __del__ may run in the middle of anything)
+            self.n_releases = max(self.n_releases, RELEASE_BATCH)
         if self.early:
             self.early.pop(f._fid, None)
         self.n_releases += 1
@@ -875,6 +880,8 @@ class Engine:
             if f is None and ref is not None:
                 f = ref()
             if f is not None:
+                if bufs and sum(len(b) for b in bufs) >= BIG_VALUE:
+                    f._big = True
                 f._set(ok, value)
             elif ref is None:
                 # sent before it was asked for (rtf): keep it for when it is
@@ -981,6 +988,9 @@ class Engine:
         d.update(objects=len(self.objects), values_held=len(self.slots),
                  tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
                  load=self.load(), pid=os.getpid())
+        pool = getattr(self.transport, "pool", None)
+        if pool is not None:
+            d.update(buffers_reused=pool.reused, buffer_pool_bytes=pool.held)
         return d
 
 

@@ -40,6 +40,7 @@ class Future:
 
     __slots__ = ("_engine", "_fid", "_home", "_target", "_state", "_value", "_exc",
                  "_asked", "_waiters", "_callbacks", "_escaped", "_site", "_eager", "_ready_remote", "_arcs",
+                 "_big",
                  "__weakref__")
 
     def __init__(self, engine: Any, fid: FutureId, home: int, target: Any = None, site: Any = None):
@@ -58,6 +59,7 @@ class Future:
         self._eager = False  # the home sends the value unasked (learned strict use)
         self._ready_remote = False  # eager, but too large: the home said it is ready
         self._arcs = 0  # calls it was passed to as an argument (they pull its value)
+        self._big = False  # its value was large: release it at once, not in a batch
 
     # -- the public surface ------------------------------------------------
     def done(self) -> bool:
