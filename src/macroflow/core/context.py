@@ -236,10 +236,13 @@ class Engine:
         self.inbox.append((src, bufs, load))
         st = self.stats
         st.messages_received += 1
-        n = 8 + 8 * len(bufs)
-        for b in bufs:
-            n += len(b)
-        st.bytes_received += n
+        if len(bufs) == 1:
+            st.bytes_received += 16 + len(bufs[0])
+        else:
+            n = 8 + 8 * len(bufs)
+            for b in bufs:
+                n += len(b)
+            st.bytes_received += n
 
     # ------------------------------------------------------------------ issuing
     def new_fid(self):
@@ -463,11 +466,13 @@ class Engine:
             b0 = bufs[0]
             if b0[0] == _V:
                 _, ok, a0, a1 = _VGET.unpack_from(b0)
-                self._on_value(((a0, a1), None), ok, bufs[1], bufs[2:])
+                data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]
+                self._on_value(((a0, a1), None), ok, data, bufs[2:])
                 continue
             if b0[0] == _W:
                 _, ok, a0, a1, c0, c1 = _VARC.unpack_from(b0)
-                self._on_value(((a0, a1), (c0, c1)), ok, bufs[1], bufs[2:])
+                data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VARC.size:]
+                self._on_value(((a0, a1), (c0, c1)), ok, data, bufs[2:])
                 continue
             try:
                 msg = marshal.loads(bufs[0], bufs[1:])
@@ -550,6 +555,11 @@ class Engine:
                 obj.guarded = _guarded_methods(target[1])
                 obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
                 obj.queue.appendleft(call)
+            elif not obj.busy and not obj.queue and not call.missing and obj.state == "live" \
+                    and method not in obj.guarded:
+                obj.busy = True  # idle, nothing queued, no guard: run it now
+                self.spawn(self._run_object, obj, call)
+                return
             else:
                 obj.queue.append(call)
             self._pump(obj)
@@ -622,11 +632,28 @@ class Engine:
 
     def _run_object(self, obj: HostedObject, call: Call) -> None:
         g = getcurrent()
+        stats = self.stats
         while call is not None:
             g.call = call
-            self._execute_on_object(obj, call)
+            if obj.state == "live" and call.kind == PERSISTENT and not call.arcs \
+                    and call.method != DESTROY:
+                # the common case, flattened: a method of a live object
+                fn = getattr(obj.instance, call.method, None)
+                if fn is None:
+                    self._finish(call, False, errors.CallError(f"no method {call.method!r}"))
+                else:
+                    try:
+                        value = fn(*call.args, **call.kwargs)
+                    except BaseException as e:
+                        stats.calls_executed += 1
+                        self._finish(call, False, e)
+                    else:
+                        stats.calls_executed += 1
+                        self._finish(call, True, value)
+            else:
+                self._execute_on_object(obj, call)
             g.call = None
-            call = self._pick(obj)
+            call = self._pick(obj) if obj.queue else None
         obj.busy = False
 
     def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
@@ -748,7 +775,10 @@ class Engine:
             head = _VGET.pack(_V, ok, a[0], a[1])
         else:
             head = _VARC.pack(_W, ok, a[0], a[1], c[0], c[1])
-        self.send_frame(dest, [head, data, *bufs])
+        if bufs:
+            self.send_frame(dest, [head, data, *bufs])
+        else:  # the common small value: one buffer, the transport's fast path
+            self.send_frame(dest, [head + data])
 
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
