@@ -864,7 +864,7 @@ TABLE1_ROWS: List[Tuple[str, str, str, Optional[str], str]] = [
      "16 MB array to p.echo and back; hand: pickle-5 OOB"),
     ("Dataflow", "New and delete computation instance", "computation_instance_us", None,
      "Call(...) + Slot()"),
-    ("", "Add an arc", "add_arc_us", None, "issue p.take(future) - p.take(1); incl. FORWARD send"),
+    ("", "Add an arc", "add_arc_us", None, "issue p.take(future) - p.take(1); the consumer pulls"),
     ("", "Construct a future - short", "future_construct_us", None, "Future(...) made and dropped"),
     ("", "  issue bookkeeping", "issue_bookkeeping_us", None, "message send - bare rsr send"),
     ("", "Construct a future - 100 actors", "chain100_issue_us", None,
