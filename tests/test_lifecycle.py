@@ -258,3 +258,24 @@ def test_contexts_die_with_a_killed_parent(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_calls_from_another_thread_are_refused():
+    import threading
+
+    def main():
+        errors = []
+
+        def other():
+            try:
+                Work().echo(1)
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        return errors
+
+    errs = mf.run(main, contexts=2, transport="inproc")
+    assert len(errs) == 1 and "thread" in errs[0]

@@ -33,6 +33,7 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -170,6 +171,7 @@ class Engine:
         self.transport = transport
         self.placement = placement
         self.root = root if root is not None else getcurrent()
+        self.thread = threading.get_ident()
         self.pool = Pool(self, self.root)
         self.inbox: Deque[Tuple[int, List[Any], int]] = deque()
         self.ready: Deque[Any] = deque()
@@ -1153,4 +1155,8 @@ def current_engine() -> Engine:
         if eng is None:
             raise RuntimeError("macroflow is not running: use mf.run(main, contexts=N) "
                                "or 'with mf.init(contexts=N):'")
+        if threading.get_ident() != eng.thread:
+            # one thread runs a context's engine: another would corrupt it
+            raise RuntimeError("macroflow was called from a thread other than the one "
+                               "that started the computation; call it from that thread")
     return eng

@@ -9,9 +9,8 @@ straight to the consumer); ``result()`` asks the home for a copy.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from . import errors
 
 PENDING, FINISHED = 0, 1
 
@@ -192,24 +191,4 @@ def _rebuild(fid: FutureId, home: int, target: Any) -> Future:
     return current_engine().adopt_future(fid, home, target)
 
 
-def is_future(x: Any) -> bool:
-    """True if ``x`` is a macroflow Future.
-
-    Example:
-        >>> is_future(3)
-        False
-    """
-    return type(x) is Future
-
-
-def iter_futures(fs: Iterable[Any]) -> List[Future]:
-    """The futures among ``fs``, in order.
-
-    Example:
-        >>> iter_futures([1, 2])
-        []
-    """
-    return [f for f in fs if type(f) is Future]
-
-
-__all__ = ["Future", "PENDING", "FINISHED", "is_future", "errors"]
+__all__ = ["Future", "CallSite", "PENDING", "FINISHED"]

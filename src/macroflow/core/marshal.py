@@ -161,17 +161,6 @@ def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-def describe_unpicklable(obj: Any, exc: BaseException) -> str:
-    """A short explanation of why ``obj`` could not be pickled, for error messages.
-
-    Example:
-        >>> import threading
-        >>> describe_unpicklable(threading.Lock(), TypeError("cannot pickle '_thread.lock' object"))
-        "lock: cannot pickle '_thread.lock' object"
-    """
-    return f"{type(obj).__name__}: {exc}"
-
-
 def buffer_nbytes(buffers: Sequence[Any]) -> int:
     """Total size of a list of buffers.
 

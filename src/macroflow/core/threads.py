@@ -9,7 +9,7 @@ goes back to the pool, so no call pays for creating a thread.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import greenlet
 
@@ -94,13 +94,3 @@ class Pool:
         if len(self.free) < self.keep:
             self.free.append(w)
 
-
-def in_worker() -> Optional[Worker]:
-    """The running Worker, or None in a root greenlet.
-
-    Example:
-        >>> in_worker() is None
-        True
-    """
-    g = getcurrent()
-    return g if isinstance(g, Worker) else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Optional, TypeVar
 
-from ..core import errors
 from ..core.context import CREATE, DESTROY, PERSISTENT, REGULAR, current_engine
 from ..core.future import CallSite, Future
 from ..core.gptr import GlobalPointer
