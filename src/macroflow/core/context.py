@@ -9,7 +9,7 @@ kept here, and sent only to the contexts that asked for it (arcs and
 Message opcodes (the first item of every header):
 
 ========  ==============================================================
-CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, hops)
+CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, route)
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label; the consumer
@@ -20,9 +20,9 @@ RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
 RSR       remote service request: (op, gid, handler, args, thread)
 SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
+========  ==============================================================
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
-========  ==============================================================
 """
 
 from __future__ import annotations
@@ -199,7 +199,6 @@ class Engine:
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
         self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
-        self.on_stop: List[Callable[[], None]] = []
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost)
 
@@ -989,8 +988,6 @@ class Engine:
         if peer == 0 and self.id != 0:
             # The main program is gone: nothing is left to serve.
             self.stopping = True
-            for fn in self.on_stop:
-                fn()
             return
         exc = errors.ContextLost(peer, how)
         for fid, ref in list(self.eager.items()):
