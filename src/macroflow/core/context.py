@@ -46,6 +46,7 @@ from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY = range(7)
+_encode = marshal._encoder.dumps
 
 # kinds of call targets
 PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
@@ -258,11 +259,11 @@ class Engine:
         arcs = None
         if (args and _has_future(args)) or (kwargs and _has_future(kwargs.values())):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
-        eager = site is not None and getattr(site, "strict", 0) >= 2
+        eager = site is not None and site.strict >= 2
         # the caller's manager placed it: that decision is the first of transfer_limit moves
         route = (1 << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
         try:
-            data, bufs = marshal.dumps((CALL, fid, kind, target, method, args, kwargs, arcs, route))
+            data, bufs = _encode((CALL, fid, kind, target, method, args, kwargs, arcs, route))
         except marshal.PICKLE_ERRORS as e:
             raise errors.CallError(
                 f"cannot send the arguments of {site_label(site) or method}: "

@@ -42,8 +42,11 @@ class _RemoteMethod:
         self.info = info
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future:
-        self.info.check(args, kwargs)
-        return self.handle._call(self.info, args, kwargs)
+        info = self.info
+        n = len(args)
+        if kwargs or not info.simple or n < info.nmin or (info.nmax is not None and n > info.nmax):
+            info.check(args, kwargs)  # the slow path, or the error
+        return self.handle._call(info, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<remote method {self.info.label} of {self.handle!r}>"
