@@ -27,6 +27,7 @@ The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 import os
@@ -368,7 +369,7 @@ class Engine:
             if home == self.id:
                 self._on_release(fids)
             else:
-                self.send(home, (RELEASE, fids))
+                self.send(home, (RELEASE, _pack_release(fids)))
 
     def adopt_future(self, fid, home, target) -> Future:
         f = self.adopted.get(fid)
@@ -514,7 +515,7 @@ class Engine:
         elif op == FORWARD:
             self._on_forward(msg[1], msg[2], msg[3])
         elif op == RELEASE:
-            self._on_release(msg[1])
+            self._on_release(_unpack_release(msg[1]))
         elif op == RSR:
             self._on_rsr(msg)
         elif op == READY:
@@ -883,7 +884,7 @@ class Engine:
                 # a transferred call: its value lives where the call moved to
                 slot.alias = None
                 if alias[1] not in self.lost:
-                    self.send(alias[1], (RELEASE, [(alias[0], slot.expect)]))
+                    self.send(alias[1], (RELEASE, _pack_release([(alias[0], slot.expect)])))
 
     def _on_release(self, items) -> None:
         slots = self.slots
@@ -1022,6 +1023,21 @@ class Engine:
         if pool is not None:
             d.update(buffers_reused=pool.reused, buffer_pool_bytes=pool.held)
         return d
+
+
+def _pack_release(items) -> bytes:
+    # (fid, arcs) pairs as flat int64s: one bytes object, nothing for the
+    # pickler to memoize (a memo that grows makes every later message dearer)
+    flat = array.array("q")
+    for (ctx, seq), arcs in items:
+        flat.extend((ctx, seq, arcs))
+    return flat.tobytes()
+
+
+def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
+    flat = array.array("q")
+    flat.frombytes(data)
+    return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
 
 
 def _guarded_methods(cls) -> frozenset:

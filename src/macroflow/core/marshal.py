@@ -25,7 +25,7 @@ import cloudpickle
 
 # Below this a buffer is cheaper to copy into the stream than to carry apart.
 OOB_THRESHOLD = 32 * 1024
-_BIG_DUMP = 4096  # an in-band stream this long may have grown the memo
+_BIG_DUMP = 1024  # an in-band stream this long may have grown the memo
 
 # Snapshot of __main__ taken when contexts were forked: these objects exist by
 # the same name in every child, so they can travel by reference.
