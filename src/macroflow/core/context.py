@@ -409,6 +409,11 @@ class Engine:
         if self.in_inline:
             raise errors.DeadlockError(
                 "an inline remote service request handler cannot wait; use thread='new'")
+        if timeout is None and self.driver is self:
+            step = self.step
+            while f._state != FINISHED:  # the common wait, without a predicate call per step
+                step(None)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.driver.run_until(lambda: f._state == FINISHED, deadline):
             raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")

@@ -25,8 +25,10 @@ class Placement:
         policy: "round-robin", "random" or "best-most-recently".
         threshold: keep a call local while this context's load is below it.
             Context 0 counts the running main program as one, a context running
-            a method counts that method: with the default of 1, a busy context
-            hands new work to the location policy (which may still choose it).
+            a method counts that method: with the default of 2, a call stays
+            where it was made if nothing else is queued there (a sync call is
+            then a local call), and a fan-out goes to the location policy from
+            its second call on. 1 hands all work of a busy context to the policy.
         transfer_limit: how many times a call may move between contexts.
         seed: for the random policy, to make runs repeatable.
 
@@ -39,7 +41,7 @@ class Placement:
         ('random', 2, 2)
     """
 
-    def __init__(self, policy: str = "round-robin", threshold: int = 1,
+    def __init__(self, policy: str = "round-robin", threshold: int = 2,
                  transfer_limit: int = 1, seed: Optional[int] = None):
         if policy not in POLICIES:
             raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")
