@@ -488,7 +488,10 @@ class Engine:
                 print(f"macroflow: context {self.id} could not decode a message from "
                       f"context {src}: {e!r}", file=sys.stderr)
                 continue
-            self.dispatch(src, msg)
+            if msg[0] == CALL:
+                self._on_call(src, msg)
+            else:
+                self.dispatch(src, msg)
         ready = self.ready
         while ready:
             w = ready.popleft()
@@ -507,10 +510,10 @@ class Engine:
             self.pool.put(g)
 
     def spawn(self, fn, *args) -> None:
-        g = self.pool.get()
-        r = g.switch((fn, args))
-        if r is DONE:
-            self.pool.put(g)
+        pool = self.pool
+        g = pool.free.pop() if pool.free else pool.get()
+        if g.switch((fn, args)) is DONE:
+            pool.put(g)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, src: int, msg: tuple) -> None:
@@ -795,6 +798,32 @@ class Engine:
         self._finish(call, True, value, keep_running=True)
 
     def _finish(self, call: Call, ok: bool, value: Any, keep_running: bool = False) -> None:
+        if ok and not keep_running and not call.answered and type(value) is not Future:
+            # the common case, flattened: a plain value that pickles, sent back
+            # unasked when the call site is strict and the value small
+            try:
+                data, bufs = _encode(value)
+            except marshal.PICKLE_ERRORS:
+                pass  # the general path below explains it to the caller
+            else:
+                self.active -= 1
+                call.answered = True
+                fid = call.fid
+                slot = self.slots.get(fid)
+                if slot is None:
+                    slot = self.slots[fid] = Slot()
+                if call.route & EAGER:
+                    if not bufs and len(data) <= EAGER_MAX:
+                        self.stats.values_sent += 1
+                        self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
+                    else:
+                        self._send_eager(call, True, data, bufs)
+                if slot.subs or slot.released:
+                    self._complete(fid, slot, True, data, bufs)
+                else:
+                    slot.state = FINISHED
+                    slot.ok, slot.data, slot.bufs = True, data, bufs
+                return
         if not keep_running:
             self.active -= 1
             if call.tokens:
@@ -824,17 +853,20 @@ class Engine:
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
-            size = len(data)
-            for b in bufs:
-                size += b.raw().nbytes
-            if size <= EAGER_MAX:
-                self.stats.values_sent += 1
-                self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
-            else:
-                self.send(call.fid[0], (READY, call.fid))
+            self._send_eager(call, ok, data, bufs)
         self._complete(call.fid, slot, ok, data, bufs)
         if keep_running:
             self.transport.flush()
+
+    def _send_eager(self, call: Call, ok: bool, data, bufs) -> None:
+        size = len(data)
+        for b in bufs:
+            size += b.raw().nbytes
+        if size <= EAGER_MAX:
+            self.stats.values_sent += 1
+            self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
+        else:
+            self.send(call.fid[0], (READY, call.fid))
 
     def _complete(self, fid, slot: Slot, ok, data, bufs) -> None:
         slot.state = FINISHED
