@@ -812,3 +812,36 @@ def test_large_receive_buffers_are_reused_once_dropped():
     st = mf.run(main, contexts=2, transport="local")
     assert st["buffers_reused"] >= 4
     assert st["buffer_pool_bytes"] <= 64 * 2**20
+
+
+@mf.persistent
+class Rendezvous:
+    def __init__(self, n):
+        self.n = n
+        self.arrived = 0
+
+    def arrive(self):
+        self.arrived += 1
+
+    @mf.guard(lambda self: self.arrived >= self.n)
+    def all_here(self):
+        return self.arrived
+
+
+@mf.regular
+class Party:
+    def meet(self, rv):
+        rv.arrive()
+        # returns only once every call has arrived: they are all in progress at once
+        return rv.all_here().result(), mf.context_id()
+
+
+def test_regular_calls_run_at_the_same_time_on_several_contexts(run):
+    def main():
+        rv = Rendezvous.create(6, on=1)
+        p = Party()
+        return mf.gather([p.meet(rv) for _ in range(6)], timeout=30)
+
+    got = run(main, contexts=3)
+    assert [n for n, _ in got] == [6] * 6
+    assert len({ctx for _, ctx in got}) >= 2
