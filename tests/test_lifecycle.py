@@ -11,25 +11,10 @@ import psutil
 import pytest
 
 import macroflow as mf
+from common import Gate
 from macroflow.core.context import SYSTEM, current_engine
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@mf.persistent
-class Gate:
-    def __init__(self):
-        self.is_open = False
-
-    def open(self):
-        self.is_open = True
-
-    @mf.guard(lambda self: self.is_open)
-    def wait(self, x=None):
-        return x
-
-    def pid(self):
-        return os.getpid()
 
 
 @mf.regular
@@ -119,6 +104,12 @@ def test_shutdown_without_context_manager():
     assert Work().echo(1).result() == 1
     mf.shutdown()
     assert psutil.Process().children(recursive=True) == []
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def _script(tmp_path, body):
@@ -221,9 +212,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
         gone, alive = psutil.wait_procs(kids, timeout=10)
         assert alive == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 KILL_PARENT = """
@@ -255,9 +244,7 @@ def test_contexts_die_with_a_killed_parent(tmp_path):
         gone, alive = psutil.wait_procs(kids, timeout=10)
         assert alive == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 def test_calls_from_another_thread_are_refused():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import macroflow as mf
+from common import Gate
 from macroflow.core.context import current_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,21 +53,6 @@ class Ref:
 
     def __init__(self, f):
         self.f = f
-
-
-@mf.persistent
-class Gate:
-    """Calls to wait() are held until open() is called."""
-
-    def __init__(self):
-        self.is_open = False
-
-    def open(self):
-        self.is_open = True
-
-    @mf.guard(lambda self: self.is_open)
-    def wait(self, x=None):
-        return x
 
 
 @mf.persistent
