@@ -643,24 +643,11 @@ class Engine:
 
     def _run_object(self, obj: HostedObject, call: Call) -> None:
         g = getcurrent()
-        stats = self.stats
         while call is not None:
             g.call = call
-            if obj.state == "live" and call.kind == PERSISTENT and not call.arcs \
-                    and call.method != DESTROY:
-                # the common case, flattened: a method of a live object
-                fn = getattr(obj.instance, call.method, None)
-                if fn is None:
-                    self._finish(call, False, errors.CallError(f"no method {call.method!r}"))
-                else:
-                    try:
-                        value = fn(*call.args, **call.kwargs)
-                    except BaseException as e:
-                        stats.calls_executed += 1
-                        self._finish(call, False, e)
-                    else:
-                        stats.calls_executed += 1
-                        self._finish(call, True, value)
+            if obj.state == "live" and call.kind == PERSISTENT and call.method != DESTROY:
+                # the common case, one call deep: a method of a live object
+                self._invoke(getattr(obj.instance, call.method, None), call)
             else:
                 self._execute_on_object(obj, call)
             g.call = None
