@@ -831,3 +831,41 @@ def test_regular_calls_run_at_the_same_time_on_several_contexts(run):
     got = run(main, contexts=3)
     assert [n for n, _ in got] == [6] * 6
     assert len({ctx for _, ctx in got}) >= 2
+
+
+@mf.regular
+class Pair:
+    def both(self, a, b):
+        a.append("mine")  # each argument is a copy of its own
+        return a, b
+
+
+@mf.persistent
+class Picky:
+    @mf.guard(lambda self, xs: len(xs) >= 2)
+    def take(self, xs):
+        return sum(xs)
+
+
+def test_the_same_future_twice_in_one_call(run):
+    def main():
+        m = Math()
+        a = m.square(3)
+        xs = m.add([1], [2])  # a future of a list, passed twice to one call
+        one = Math().total([1])
+        return m.add(a, a).result(), Pair().both(xs, xs).result(), m.add(one, one).result()
+
+    total, (a, b), twice = run(main)
+    assert total == 18 and twice == 2
+    assert a == [1, 2, "mine"] and b == [1, 2]
+
+
+def test_guard_reads_arguments_that_are_arcs(run):
+    def main():
+        m = Math()
+        p = Picky.create(on=1)
+        short = p.take(m.add([1], []))
+        long = p.take(m.add([1], [2]))
+        return long.result(), short.done()
+
+    assert run(main) == (3, False)

@@ -1111,21 +1111,24 @@ def _subst(x, call: Call, eng):
 
 
 def call_token(call: Call, afid, eng):
+    """The value of one arc of ``call``: the token itself at its first use, a
+    copy at every later one (the same future twice in a call, or a guard that
+    read the arguments before the method), so call-by-value holds."""
     label = (afid, call.fid)
-    tok = eng.tokens.get(label)
-    if tok is None:
-        raise RuntimeError(f"internal: token {label} missing")
     if call.tokens is None:
         call.tokens = {}
-    seen = call.tokens.get(label)
-    if seen is None:
-        call.tokens[label] = True
-        eng.tokens.pop(label, None)
-        call.tokens[("v", label)] = tok
+    tok = call.tokens.get(label)
+    if tok is None:
+        tok = eng.tokens.pop(label, None)
+        if tok is None:
+            raise RuntimeError(f"internal: token {label} missing")
+        call.tokens[label] = tok
         return tok
-    # The same future twice in one call: call-by-value gives each use its copy.
-    ok, v = call.tokens[("v", label)]
-    return ok, (pickle.loads(pickle.dumps(v, 5)) if ok else v)
+    ok, v = tok
+    if not ok:
+        return tok
+    data, bufs = marshal.dumps(v)
+    return True, marshal.loads(data, [bytearray(b.raw()) for b in bufs])
 
 
 def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
