@@ -302,8 +302,6 @@ class Engine:
                 return {k: sub(v) for k, v in x.items()} if _has_future(x.values()) else x
             return x
 
-        if not (_has_future(args) or _has_future(kwargs.values())):
-            return args, kwargs, None
         args = tuple(sub(a) for a in args)
         kwargs = {k: sub(v) for k, v in kwargs.items()}
         arcs = []
@@ -360,7 +358,7 @@ class Engine:
 
     def flush_releases(self) -> None:
         # Values are reclaimed in batches: one RELEASE per RELEASE_BATCH dropped
-        # futures keeps the message count of a call at three.
+        # futures (or at once for a large value) keeps a sync call at two messages.
         if self.n_releases < RELEASE_BATCH:
             return
         rel, self.releases = self.releases, {}
@@ -517,10 +515,8 @@ class Engine:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, src: int, msg: tuple) -> None:
-        op = msg[0]
-        if op == CALL:
-            self._on_call(src, msg)
-        elif op == FORWARD:
+        op = msg[0]  # CALL, the commonest, is handled in _process before this
+        if op == FORWARD:
             self._on_forward(msg[1], msg[2], msg[3])
         elif op == RELEASE:
             self._on_release(_unpack_release(msg[1]))
@@ -752,7 +748,7 @@ class Engine:
         if not ok:
             value = _portable_exception(value, self.id)
         try:
-            data, bufs = marshal.dumps(value)
+            data, bufs = _encode(value)
         except marshal.PICKLE_ERRORS as e:
             if ok:
                 err = errors.CallError(f"the result ({type(value).__name__}) could not be pickled: {e}")
@@ -785,32 +781,6 @@ class Engine:
         self._finish(call, True, value, keep_running=True)
 
     def _finish(self, call: Call, ok: bool, value: Any, keep_running: bool = False) -> None:
-        if ok and not keep_running and not call.answered and type(value) is not Future:
-            # the common case, flattened: a plain value that pickles, sent back
-            # unasked when the call site is strict and the value small
-            try:
-                data, bufs = _encode(value)
-            except marshal.PICKLE_ERRORS:
-                pass  # the general path below explains it to the caller
-            else:
-                self.active -= 1
-                call.answered = True
-                fid = call.fid
-                slot = self.slots.get(fid)
-                if slot is None:
-                    slot = self.slots[fid] = Slot()
-                if call.route & EAGER:
-                    if not bufs and len(data) <= EAGER_MAX:
-                        self.stats.values_sent += 1
-                        self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
-                    else:
-                        self._send_eager(call, True, data, bufs)
-                if slot.subs or slot.released:
-                    self._complete(fid, slot, True, data, bufs)
-                else:
-                    slot.state = FINISHED
-                    slot.ok, slot.data, slot.bufs = True, data, bufs
-                return
         if not keep_running:
             self.active -= 1
             if call.tokens:
@@ -820,28 +790,24 @@ class Engine:
                 traceback.print_exception(type(value), value, value.__traceback__)
             return
         call.answered = True
-        if not ok and isinstance(value, BaseException) and not hasattr(value, "__mf_tb__"):
-            try:
-                value.__mf_tb__ = format_remote(value, self.id)
-            except Exception:
-                pass
-        slot = self.slots.get(call.fid)
+        fid = call.fid
+        slot = self.slots.get(fid)
         if slot is None:
-            slot = self.slots[call.fid] = Slot()
+            slot = self.slots[fid] = Slot()
         if ok and type(value) is Future:
             if value._state == FINISHED:
                 ok, value = (value._exc is None), (value._value if value._exc is None else value._exc)
             else:
                 if call.route & EAGER:
-                    slot.subs.append((call.fid[0], (call.fid, None)))
-                self._alias(call.fid, slot, value._fid, value._home, value)
+                    slot.subs.append((fid[0], (fid, None)))
+                self._alias(fid, slot, value._fid, value._home, value)
                 return
         ok, data, bufs = self._pickle_value(ok, value)
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
             self._send_eager(call, ok, data, bufs)
-        self._complete(call.fid, slot, ok, data, bufs)
+        self._complete(fid, slot, ok, data, bufs)
         if keep_running:
             self.transport.flush()
 
@@ -858,10 +824,12 @@ class Engine:
     def _complete(self, fid, slot: Slot, ok, data, bufs) -> None:
         slot.state = FINISHED
         slot.ok, slot.data, slot.bufs = ok, data, bufs
-        subs, slot.subs = slot.subs, []
-        for dest, label in subs:
-            self._send_value(dest, label, slot)
-        self._maybe_drop(fid, slot)
+        if slot.subs:
+            subs, slot.subs = slot.subs, []
+            for dest, label in subs:
+                self._send_value(dest, label, slot)
+        if slot.released:
+            self._maybe_drop(fid, slot)
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
         self.stats.values_sent += 1
