@@ -92,6 +92,20 @@ class BufferPool:
         return _np.empty(n, dtype=_np.uint8)
 
 
+def _small_frame(parts: Sequence[object], load: int) -> Optional[bytes]:
+    """The whole frame as one bytes object, if it is small enough to copy."""
+    if len(parts) == 1:
+        d = parts[0]
+        if len(d) > _SMALL:  # type: ignore[arg-type]
+            return None
+        return _HDR1.pack(1, load, len(d)) + d  # type: ignore[arg-type, operator]
+    views = [_view(p) for p in parts]
+    lens = [v.nbytes for v in views]
+    if sum(lens) > _SMALL:
+        return None
+    return b"".join([_HDR.pack(len(views), load), struct.pack(f"<{len(views)}Q", *lens), *views])
+
+
 def _view(p: object) -> memoryview:
     if isinstance(p, __import__("pickle").PickleBuffer):
         return p.raw()
@@ -167,26 +181,13 @@ class LocalTransport(Transport):
         c = self.conns.get(dest)
         if c is None or c.closed:
             raise ConnectionError(f"no connection to context {dest}")
-        if len(parts) == 1:
-            d = parts[0]
-            if len(d) <= _SMALL:  # type: ignore[arg-type]
-                if not c.wbuf:
-                    self.pending.append(c)
-                c.wbuf += _HDR1.pack(1, load, len(d))  # type: ignore[arg-type]
-                c.wbuf += d  # type: ignore[operator]
-                return 16 + len(d)  # type: ignore[arg-type]
-        else:
-            views = [_view(p) for p in parts]
-            size = sum(v.nbytes for v in views)
-            if size <= _SMALL:
-                if not c.wbuf:
-                    self.pending.append(c)
-                c.wbuf += _HDR.pack(len(views), load)
-                c.wbuf += struct.pack(f"<{len(views)}Q", *[v.nbytes for v in views])
-                for v in views:
-                    c.wbuf += v
-                return 8 + 8 * len(views) + size
-        return self.send(dest, parts, load)
+        frame = _small_frame(parts, load)
+        if frame is None:
+            return self.send(dest, parts, load)
+        if not c.wbuf:
+            self.pending.append(c)
+        c.wbuf += frame
+        return len(frame)
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
@@ -220,19 +221,9 @@ class LocalTransport(Transport):
             raise ConnectionError(f"no connection to context {dest}")
         if c.wbuf:
             self._flush_conn(c)  # keep the order of queued frames
-        if not c.outq and len(parts) <= 4:
+        if not c.outq:
             # fast path: a small frame goes out as one bytes object in one send
-            if len(parts) == 1:
-                d = parts[0]
-                frame = _HDR1.pack(1, load, len(d)) + d  # type: ignore[operator]
-            else:
-                views = [_view(p) for p in parts]
-                size = sum(v.nbytes for v in views)
-                frame = None
-                if size <= _SMALL:
-                    frame = b"".join([_HDR.pack(len(views), load),
-                                      struct.pack(f"<{len(views)}Q", *[v.nbytes for v in views]),
-                                      *views])
+            frame = _small_frame(parts, load)
             if frame is not None:
                 if not self._send_whole(c, frame):
                     raise ConnectionError(f"context {dest}: send failed")
@@ -401,7 +392,7 @@ class LocalTransport(Transport):
             while c.bigpos < big.nbytes:  # type: ignore[union-attr]
                 n = sock.recv_into(mv[c.bigpos:])  # type: ignore[index]
                 if n == 0:
-                    return 0 if got == 0 else got
+                    return got  # the peer closed: 0 if nothing came before
                 c.bigpos += n
                 got += n
         except socket.timeout:
