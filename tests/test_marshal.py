@@ -79,3 +79,18 @@ def test_encoder_starts_afresh_after_a_big_message():
     assert enc.p is small
     marshal.dumps((3, [(0, i) for i in range(50000)]))
     assert enc.p is not small
+
+
+def test_values_sent_by_value_are_not_kept_alive():
+    import gc
+    import weakref
+
+    refs = []
+    for k in range(50):
+        f = (lambda k: lambda x: x + k)(k)  # a new function each time
+        marshal.dumps(f)
+        refs.append(weakref.ref(f))
+    del f
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(marshal._loaded_cache) <= marshal._LOADED_MAX

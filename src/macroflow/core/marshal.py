@@ -19,6 +19,7 @@ import io
 import pickle
 import sys
 import types
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -30,8 +31,12 @@ _BIG_DUMP = 1024  # an in-band stream this long may have grown the memo
 # Snapshot of __main__ taken when contexts were forked: these objects exist by
 # the same name in every child, so they can travel by reference.
 _main_snapshot: Optional[dict] = None
-_by_value_cache: dict = {}  # id(obj) -> (obj, blob): pickle a class by value once
-_loaded_cache: dict = {}  # blob -> obj: a class sent twice is one class at the receiver
+# Weakly keyed: a lambda made per call must not live forever because it was sent.
+_by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> blob
+_ref_ok: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> by reference?
+# blob -> obj: a class sent twice is one class at the receiver (bounded, oldest out)
+_loaded_cache: dict = {}
+_LOADED_MAX = 4096
 
 
 def snapshot_main() -> None:
@@ -47,9 +52,6 @@ def forget_main_snapshot() -> None:
     _main_snapshot = None
 
 
-_ref_ok: dict = {}  # id(obj) -> (obj, can go by reference)
-
-
 def _needs_value(obj: Any) -> bool:
     qualname = getattr(obj, "__qualname__", "")
     if "<locals>" in qualname or "<lambda>" in qualname:
@@ -59,9 +61,10 @@ def _needs_value(obj: Any) -> bool:
         if _main_snapshot is None:
             return False
         return _main_snapshot.get(qualname) is not obj
-    hit = _ref_ok.get(id(obj))
-    if hit is not None and hit[0] is obj:
-        return not hit[1]
+    try:
+        return not _ref_ok[obj]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referenceable
+        pass
     # By reference only if the receiver can find it by name: defined by exec,
     # doctest or a notebook under a module name that does not hold it, it
     # travels by value.
@@ -69,7 +72,10 @@ def _needs_value(obj: Any) -> bool:
     for part in qualname.split("."):
         found = getattr(found, part, None)
     ok = found is obj
-    _ref_ok[id(obj)] = (obj, ok)
+    try:
+        _ref_ok[obj] = ok
+    except TypeError:
+        pass
     return not ok
 
 
@@ -77,6 +83,8 @@ def _load_by_value(blob: bytes) -> Any:
     obj = _loaded_cache.get(blob)
     if obj is None:
         obj = pickle.loads(blob)
+        if len(_loaded_cache) >= _LOADED_MAX:
+            del _loaded_cache[next(iter(_loaded_cache))]
         _loaded_cache[blob] = obj
     return obj
 
@@ -88,11 +96,14 @@ class _Pickler(pickle.Pickler):
         t = type(obj)
         if t is types.FunctionType or isinstance(obj, type):
             if _needs_value(obj):
-                hit = _by_value_cache.get(id(obj))
-                if hit is None or hit[0] is not obj:
-                    hit = (obj, cloudpickle.dumps(obj, protocol=5))
-                    _by_value_cache[id(obj)] = hit
-                return _load_by_value, (hit[1],)
+                blob = _by_value_cache.get(obj)
+                if blob is None:
+                    blob = cloudpickle.dumps(obj, protocol=5)
+                    try:
+                        _by_value_cache[obj] = blob
+                    except TypeError:
+                        pass
+                return _load_by_value, (blob,)
         return NotImplemented
 
 
