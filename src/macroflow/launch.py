@@ -186,18 +186,22 @@ class Session:
                         continue
                     while True:
                         try:
-                            r, _ = os.waitpid(pid, os.WNOHANG)
+                            r, status = os.waitpid(pid, os.WNOHANG)
                         except ChildProcessError:
+                            self.reaped[c] = 0
                             break
                         if r:
+                            self.reaped[c] = status
                             break
                         if time.monotonic() > deadline:
-                            _kill(pid)
-                            break
+                            break  # killed below
                         time.sleep(0.0005)
         finally:
-            for pid in self.pids.values():
-                _kill(pid)
+            # only children not yet reaped: a reaped pid may already be someone else's
+            for c, pid in self.pids.items():
+                if c not in self.reaped:
+                    _kill(pid)
+                    self.reaped[c] = -9
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:

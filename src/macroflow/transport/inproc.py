@@ -79,8 +79,7 @@ class World:
         while not pred():
             progressed = False
             for eng in self.engines:
-                if eng.n_releases >= 64:  # type: ignore[attr-defined]
-                    eng.flush_releases()  # type: ignore[attr-defined]
+                eng.flush_releases()  # type: ignore[attr-defined]
                 if eng.busy():  # type: ignore[attr-defined]
                     eng.process()  # type: ignore[attr-defined]
                     progressed = True
