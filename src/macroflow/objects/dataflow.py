@@ -11,6 +11,10 @@ from ..core.future import CallSite, Future
 _STATS_SITE = CallSite("stats")
 
 
+def _left(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[Future], List[Future]]:
     """Wait until every future has its value here, or ``timeout`` seconds pass.
 
@@ -37,9 +41,8 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
     for f in fs:
         if f.done():
             continue
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            eng.wait_future(f, left)
+            eng.wait_future(f, _left(deadline))
         except TimeoutError:
             break
     done = [f for f in fs if f.done()]
@@ -69,8 +72,7 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
     out = []
     for f in items:
         if isinstance(f, Future):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            out.append(f.result(left))
+            out.append(f.result(_left(deadline)))
         else:
             out.append(f)
     return out
