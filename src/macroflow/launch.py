@@ -18,6 +18,7 @@ import atexit
 import ctypes
 import os
 import random
+import secrets
 import signal
 import socket
 import sys
@@ -94,6 +95,7 @@ class Session:
         self.engine: Optional[Engine] = None
         self.world: Any = None
         self.started = time.perf_counter()
+        self.computation = new_computation_id()
         if transport == "local":
             self._start_local(placement, spin_us)
         elif transport == "inproc":
@@ -109,7 +111,8 @@ class Session:
         marshal.forget_main_snapshot()
         world = self.world = World()
         for c in range(self.size):
-            eng = Engine(c, self.size, InprocTransport(world, c), placement.copy())
+            eng = Engine(c, self.size, InprocTransport(world, c), placement.copy(),
+                         computation=self.computation)
             eng.driver = world
             world.engines.append(eng)
         self.engine = world.engines[0]
@@ -126,7 +129,7 @@ class Session:
             for c in range(1, n):
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - runs in the child
-                    _child_main(c, n, pairs, placement, spin_us)
+                    _child_main(c, n, pairs, placement, spin_us, self.computation)
                 self.pids[c] = pid
         except BaseException:
             for pid in self.pids.values():
@@ -140,7 +143,8 @@ class Session:
             else:
                 a.close()
                 b.close()
-        eng = self.engine = Engine(0, n, LocalTransport(0, mine, spin_us), placement)
+        eng = self.engine = Engine(0, n, LocalTransport(0, mine, spin_us), placement,
+                                   computation=self.computation)
         eng.describe_lost = self._describe_lost
 
     def _describe_lost(self, peer: int) -> str:
@@ -202,6 +206,11 @@ class Session:
                 if c not in self.reaped:
                     _kill(pid)
                     self.reaped[c] = -9
+            if self.world is not None:
+                for e in self.world.engines:
+                    e.closed = True
+            elif eng is not None:
+                eng.closed = True
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:
@@ -216,6 +225,17 @@ class Session:
         self.close()
 
 
+def new_computation_id() -> str:
+    """A short random name for a new computation, unique for all practical purposes.
+
+    Example:
+        >>> a, b = new_computation_id(), new_computation_id()
+        >>> len(a), a != b
+        (8, True)
+    """
+    return secrets.token_hex(4)
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -227,7 +247,8 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: float) -> None:  # pragma: no cover
+def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: float,
+                computation: str) -> None:  # pragma: no cover
     code = 0
     try:
         _set_pdeathsig()
@@ -252,7 +273,8 @@ def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: fl
             else:
                 a.close()
                 b.close()
-        eng = Engine(ctx, n, LocalTransport(ctx, mine, spin_us), placement.copy())
+        eng = Engine(ctx, n, LocalTransport(ctx, mine, spin_us), placement.copy(),
+                     computation=computation)
         _ctx._state.default = eng
         eng.serve_forever()
     except BaseException:

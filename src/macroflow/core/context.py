@@ -167,8 +167,13 @@ class Engine:
         (0, 1)
     """
 
-    def __init__(self, ctx: int, size: int, transport: Any, placement: Any, root=None):
+    def __init__(self, ctx: int, size: int, transport: Any, placement: Any, root=None,
+                 computation: str = ""):
         self.id = ctx
+        # names the computation in errors: handles, futures and global pointers
+        # carry it, so one kept from another computation is caught, not misused
+        self.computation = computation
+        self.closed = False  # the computation ended; its futures can no longer wait
         self.size = size
         self.transport = transport
         self.placement = placement
