@@ -141,3 +141,38 @@ def test_inline_handler_cannot_wait(run):
 
     got = run(main, contexts=2)
     assert "thread='new'" in got[0]
+
+
+@mf.persistent
+class Recorder:
+    def __init__(self):
+        self.got = []
+
+    def seen(self):
+        return list(self.got)
+
+
+def record(obj, x):
+    obj.got.append(x)
+
+
+@mf.persistent
+class Sender:
+    def send_then_ask(self, target, n):
+        # from this context to the target's: the RSRs are served before the call
+        for i in range(n):
+            mf.rsr(target.gptr, record, i)
+        return target.seen().result()
+
+
+def test_call_after_rsrs_to_the_same_context_sees_them(run):
+    def main():
+        rec = Recorder.create(on=1)
+        for i in range(5):
+            mf.rsr(rec.gptr, record, i)
+        first = rec.seen().result()
+        rec2 = Recorder.create(on=1)
+        second = Sender.create(on=2).send_then_ask(rec2, 5).result()
+        return first, second
+
+    assert run(main, contexts=3) == (list(range(5)), list(range(5)))

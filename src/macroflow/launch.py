@@ -169,7 +169,15 @@ class Session:
         """Stop every context and wait for their processes; idempotent.
 
         Example:
-            >>> # session.close()
+            >>> import macroflow as mf
+            >>> session = mf.init(contexts=2, transport="inproc")
+            >>> session.close()
+            >>> session.close()                  # a second close does nothing
+            >>> try:
+            ...     mf.context_id()
+            ... except RuntimeError:
+            ...     print("no computation is running")
+            no computation is running
         """
         if self.closed:
             return

@@ -68,7 +68,18 @@ class Future:
         its producer finished: call :meth:`result` or :func:`macroflow.wait`.
 
         Example:
-            >>> # f = obj.method(); f.done() -> False until the value is here
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class Math:
+            ...     def square(self, x): return x * x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     f = Math().square(3)
+            ...     f.done()             # nobody has asked for the value yet
+            ...     f.result()
+            ...     f.done()
+            False
+            9
+            True
         """
         return self._state == FINISHED
 
@@ -80,7 +91,22 @@ class Future:
         :class:`macroflow.TimeoutError` without cancelling the call.
 
         Example:
-            >>> # total = acc.add(5).result(timeout=10)
+            >>> import macroflow as mf
+            >>> @mf.persistent
+            ... class Acc:
+            ...     def __init__(self): self.total = 0
+            ...     def add(self, x): self.total += x; return self.total
+            ...     @mf.guard(lambda self: self.total > 100)
+            ...     def big(self): return self.total
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     acc = Acc.create()
+            ...     acc.add(5).result(timeout=10)
+            ...     try:
+            ...         acc.big().result(timeout=0.05)   # its guard does not hold
+            ...     except mf.TimeoutError:
+            ...         print("not ready; the call still waits in the object")
+            5
+            not ready; the call still waits in the object
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
@@ -92,7 +118,14 @@ class Future:
         """Wait like :meth:`result`, then return the exception or None.
 
         Example:
-            >>> # err = m.divide(1, 0).exception(); isinstance(err, ZeroDivisionError)
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class Math:
+            ...     def divide(self, a, b): return a / b
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     m = Math()
+            ...     type(m.divide(1, 0).exception()).__name__, m.divide(6, 3).exception()
+            ('ZeroDivisionError', None)
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
@@ -104,7 +137,16 @@ class Future:
         Callbacks run on the context's progress engine and must not block.
 
         Example:
-            >>> # f.add_done_callback(lambda f: print("got", f.result()))
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class Math:
+            ...     def square(self, x): return x * x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     got = []
+            ...     f = Math().square(6)
+            ...     f.add_done_callback(lambda fut: got.append(fut.result()))
+            ...     f.result(), got
+            (36, [36])
         """
         if self._state == FINISHED:
             fn(self)
@@ -117,7 +159,16 @@ class Future:
         """The context that holds (or will hold) this future's value.
 
         Example:
-            >>> # acc.add(1).home == acc.context
+            >>> import macroflow as mf
+            >>> @mf.persistent
+            ... class Acc:
+            ...     def __init__(self): self.total = 0
+            ...     def add(self, x): self.total += x; return self.total
+            >>> with mf.init(contexts=3, transport="inproc"):
+            ...     acc = Acc.create(on=2)
+            ...     f = acc.add(1)
+            ...     f.home, acc.context, f.result()
+            (2, 2, 1)
         """
         return self._home
 

@@ -34,11 +34,22 @@ class GlobalPointer:
         self.protocols = tuple(protocols)
 
     def protocol_names(self) -> Tuple[str, ...]:
-        """The protocols that reach the pointer's context, best first."""
+        """The protocols that reach the pointer's context, best first.
+
+        Example:
+            >>> GlobalPointer(1, "object", (0, 4), (("local", "host:1"),)).protocol_names()
+            ('local',)
+        """
         return tuple(p[0] for p in self.protocols)
 
     @property
     def gid(self) -> Tuple[str, Any]:
+        """``(kind, ident)``: what the pointer names inside its context.
+
+        Example:
+            >>> GlobalPointer(1, "export", (1, 9)).gid
+            ('export', (1, 9))
+        """
         return (self.kind, self.ident)
 
     def __reduce__(self):

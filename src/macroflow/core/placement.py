@@ -72,11 +72,28 @@ class Placement:
         raise TypeError(f"placement must be a policy name or mf.Placement; got {type(spec).__name__}")
 
     def copy(self) -> "Placement":
+        """The same policy for another context, with a random generator of its own.
+
+        Example:
+            >>> p = Placement("random", threshold=3, seed=1)
+            >>> q = p.copy()
+            >>> q is p, (q.policy, q.threshold, q.transfer_limit)
+            (False, ('random', 3, 1))
+        """
         return Placement(self.policy, self.threshold, self.transfer_limit, self.rng.randrange(1 << 30))
 
     # -- decisions -----------------------------------------------------------
     def place_call(self, eng: Any) -> int:
-        """Where a new regular call from this context runs."""
+        """Where a new regular call from this context runs.
+
+        Example:
+            >>> import macroflow as mf
+            >>> from macroflow.core.context import current_engine
+            >>> with mf.init(contexts=3, transport="inproc"):
+            ...     eng = current_engine()         # context 0: its load is 1 (main)
+            ...     Placement(threshold=2).place_call(eng), Placement(threshold=1).place_call(eng)
+            (0, 1)
+        """
         if eng.size == 1 or eng.load() < self.threshold:
             return eng.id
         dest = self.choose(eng, exclude=None)
@@ -84,13 +101,33 @@ class Placement:
 
     def place_object(self, eng: Any) -> int:
         """Where a new persistent object lives (never context 0 when there are others:
-        context 0 runs main and serves objects only while main waits)."""
+        context 0 runs main and serves objects only while main waits).
+
+        Example:
+            >>> import macroflow as mf
+            >>> from macroflow.core.context import current_engine
+            >>> with mf.init(contexts=3, transport="inproc"):
+            ...     p = Placement()
+            ...     [p.place_object(current_engine()) for _ in range(4)]
+            [2, 1, 2, 1]
+        """
         if eng.size == 1:
             return 0
         dest = self.choose(eng, exclude=0)
         return 0 if dest is None else dest
 
     def choose(self, eng: Any, exclude: Optional[int]) -> Optional[int]:
+        """The location policy: a context other than ``exclude`` and not lost,
+        or None if there is none.
+
+        Example:
+            >>> import macroflow as mf
+            >>> from macroflow.core.context import current_engine
+            >>> with mf.init(contexts=3, transport="inproc"):
+            ...     p = Placement("round-robin")
+            ...     [p.choose(current_engine(), exclude=None) for _ in range(4)]
+            [1, 2, 0, 1]
+        """
         cands = [c for c in range(eng.size) if c != exclude and c not in eng.lost]
         if not cands:
             return None

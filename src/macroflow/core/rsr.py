@@ -38,8 +38,20 @@ def export(obj: Any) -> GlobalPointer:
 def unexport(gptr: GlobalPointer) -> None:
     """Forget an object registered with :func:`export` in this context.
 
+    Raises:
+        ValueError: the pointer names an object in another context (only the
+            context that exported an object can forget it).
+
     Example:
-        >>> # mf.unexport(g)
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     g = mf.export({"hits": 0})
+        ...     mf.unexport(g)
+        ...     try:
+        ...         mf.unexport(mf.GlobalPointer(1, "export", g.ident))
+        ...     except ValueError as e:
+        ...         print("refused:", str(e).split(" names ")[1])
+        refused: context 1, not this one (0)
     """
     eng = current_engine()
     if gptr.context != eng.id:
@@ -68,15 +80,26 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         ValueError: unknown ``thread``, or no protocol shared with the target.
         macroflow.CallError: the handler or the arguments cannot be pickled.
 
+    Messages from one context to another are served in the order they were
+    sent, so a call sent after an RSR to the same context runs after the
+    handler has.
+
     Example:
         >>> import macroflow as mf
-        >>> def bump(box, n):
-        ...     box.append(n)
-        >>> with mf.init(contexts=1, transport="inproc"):
-        ...     box = []
-        ...     mf.rsr(mf.export(box), bump, 5)
-        ...     mf.stats()[0]["rsr_executed"] >= 0
-        True
+        >>> @mf.persistent
+        ... class Box:
+        ...     def __init__(self): self.items = []
+        ...     def contents(self): return list(self.items)
+        >>> def put(box, x):
+        ...     box.items.append(x)
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     b = Box.create(on=1)
+        ...     mf.rsr(b.gptr, put, 5)        # returns None at once
+        ...     mf.rsr(b.gptr, put, 6)
+        ...     b.contents().result()         # sent after the RSRs: served after them
+        ...     mf.stats()[1]["rsr_executed"]
+        [5, 6]
+        2
     """
     if thread not in THREADS:
         raise ValueError(f"thread must be 'inline' or 'new'; got {thread!r}")

@@ -22,8 +22,20 @@ PARKED = object()  # a worker is waiting and will be resumed by a Waiter
 class Worker(greenlet.greenlet):
     """A pooled greenlet bound to one engine (context).
 
+    Switching to it with a task ``(fn, args)`` runs ``fn(*args)``; when the
+    task ends the worker switches back to its root with :data:`DONE` and
+    waits there for its next task, so one greenlet serves many calls. The
+    engine does this in ``Engine.spawn``.
+
     Example:
-        >>> # engines create them: engine.spawn(fn, *args)
+        >>> from greenlet import getcurrent
+        >>> w = Worker(engine=None, root=getcurrent())
+        >>> w.switch((print, ("first task",))) is DONE
+        first task
+        True
+        >>> w.switch((print, ("second task, same greenlet",))) is DONE
+        second task, same greenlet
+        True
     """
 
     engine: Any = None
@@ -51,8 +63,26 @@ class Worker(greenlet.greenlet):
 class Waiter:
     """One parked worker waiting for one event; wakes at most once.
 
+    A worker that must wait makes a Waiter, hands it to whatever it waits
+    for (a future, a timer) and parks; ``wake(value)`` queues it on the
+    engine, which resumes the worker with ``value`` at its next step.
+
     Example:
-        >>> # w = Waiter(engine, getcurrent()); fut._waiters.append(w); engine.park(w)
+        >>> import macroflow as mf
+        >>> from macroflow.core.context import current_engine
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     eng, box = current_engine(), {}
+        ...     def task():
+        ...         box["waiter"] = Waiter(eng, getcurrent())
+        ...         box["got"] = eng.park()      # back to the engine until woken
+        ...     eng.spawn(task)
+        ...     "got" in box                     # parked
+        ...     box["waiter"].wake("hello")
+        ...     box["waiter"].wake("ignored")    # a waiter wakes at most once
+        ...     eng.process()                    # the engine resumes the worker
+        ...     box["got"]
+        False
+        'hello'
     """
 
     __slots__ = ("engine", "g", "fired", "value")
@@ -73,8 +103,19 @@ class Waiter:
 class Pool:
     """Reusable workers of one engine.
 
+    ``get()`` returns an idle worker, or a new one; ``put(worker)`` takes a
+    worker back once its task reported :data:`DONE` (at most ``keep`` are
+    kept). ``created`` counts the workers ever made.
+
     Example:
-        >>> # pool.get() -> a Worker; pool.put(worker) after it reports DONE
+        >>> from greenlet import getcurrent
+        >>> pool = Pool(engine=None, root=getcurrent())
+        >>> w = pool.get()
+        >>> w.switch((len, ("abc",))) is DONE
+        True
+        >>> pool.put(w)
+        >>> pool.get() is w, pool.created
+        (True, 1)
     """
 
     def __init__(self, engine: Any, root: greenlet.greenlet, keep: int = 64):

@@ -105,8 +105,8 @@ def stats() -> Dict[int, Dict[str, int]]:
 
     Among them: ``bytes_sent``, ``bytes_received``, ``messages_sent``,
     ``messages_received``, ``calls_executed``, ``calls_issued``,
-    ``values_sent``, ``instances_created``. Asking costs one message each
-    way per context, counted before the snapshot is taken.
+    ``values_sent``, ``instances_created``; docs/guide.md (Statistics)
+    describes every key. Asking costs one message each way per context.
 
     Example:
         >>> import macroflow as mf

@@ -103,7 +103,22 @@ class PersistentHandle(_Handle):
         named ``__mf_destroy__`` on the class, if any, runs last.
 
         Example:
-            >>> # acc.destroy().result()
+            >>> import macroflow as mf
+            >>> @mf.persistent
+            ... class Acc:
+            ...     def __init__(self): self.total = 0
+            ...     def add(self, x): self.total += x; return self.total
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     acc = Acc.create()
+            ...     first = acc.add(1)               # sent before destroy: it runs
+            ...     acc.destroy().result()
+            ...     first.result()
+            ...     try:
+            ...         acc.add(2).result()
+            ...     except mf.ObjectDestroyed:
+            ...         print("destroyed")
+            1
+            destroyed
         """
         eng = current_engine()
         return eng.issue(PERSISTENT, (self.oid,), DESTROY, (), {}, self.context,
@@ -111,7 +126,18 @@ class PersistentHandle(_Handle):
 
     @property
     def gptr(self) -> GlobalPointer:
-        """The object's global pointer, for :func:`macroflow.rsr`."""
+        """The object's global pointer, for :func:`macroflow.rsr`.
+
+        Example:
+            >>> import macroflow as mf
+            >>> @mf.persistent
+            ... class Box:
+            ...     pass
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     b = Box.create(on=1)
+            ...     b.gptr.context, b.gptr.kind, b.gptr == b.gptr
+            (1, 'object', True)
+        """
         return GlobalPointer(self.context, "object", self.oid,
                              protocols_of(current_engine(), self.context))
 
