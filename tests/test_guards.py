@@ -1,0 +1,103 @@
+"""Guards whose predicate raises: the guarded call fails with that exception,
+the object and its other calls go on."""
+
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.persistent
+class Door:
+    def __init__(self):
+        self.mode = "closed"
+        self.entered = 0
+
+    def set_mode(self, mode):
+        self.mode = mode
+
+    def is_open(self):
+        if self.mode not in ("open", "closed"):
+            raise ValueError(f"unknown mode {self.mode!r}")
+        return self.mode == "open"
+
+    @mf.guard(lambda self: self.is_open())
+    def enter(self):
+        self.entered += 1
+        return "in"
+
+    def count(self):
+        return self.entered
+
+
+@mf.persistent
+class Table:
+    def __init__(self):
+        self.rows = {"a": 1}
+
+    @mf.guard(lambda self, key: key in self.rows)
+    def lookup(self, key):
+        return self.rows[key]
+
+    def add(self, key, value):
+        self.rows[key] = value
+
+
+def test_guard_that_raises_at_once_fails_its_call(run):
+    def main():
+        door = Door.create(on=1)
+        door.set_mode("ajar")
+        with pytest.raises(ValueError, match="unknown mode 'ajar'") as info:
+            door.enter().result()
+        cause = info.value.__cause__
+        assert isinstance(cause, mf.RemoteTraceback)
+        assert "is_open" in cause.text  # the predicate's traceback
+        door.set_mode("open")
+        return door.enter().result(), door.count().result()
+
+    assert run(main, contexts=2) == ("in", 1)  # the failed call never ran the method
+
+
+def test_guard_that_raises_later_fails_the_waiting_call(run):
+    def main():
+        door = Door.create(on=1)
+        waiting = door.enter()  # closed: the guard is false, the call waits
+        door.set_mode("ajar")  # the next look at the guard raises
+        with pytest.raises(ValueError, match="ajar"):
+            waiting.result()
+        door.set_mode("open")
+        return door.enter().result(), door.count().result()
+
+    assert run(main, contexts=2) == ("in", 1)
+
+
+def test_only_the_call_whose_guard_raised_fails(run):
+    def main():
+        t = Table.create(on=1)
+        later = t.lookup("b")  # waits for "b"
+        bad = t.lookup(["not", "hashable"])  # its guard raises TypeError
+        first = t.lookup("a")
+        t.add("b", 2)
+        with pytest.raises(TypeError, match="unhashable"):
+            bad.result()
+        return first.result(), later.result()
+
+    assert run(main, contexts=2) == (1, 2)
+
+
+def test_guard_error_flows_through_arcs(run):
+    @mf.regular
+    class Echo:
+        def echo(self, x):
+            return x
+
+    def main():
+        door = Door.create(on=1)
+        door.set_mode("ajar")
+        downstream = Echo.create(on=2).echo(door.enter())  # an arc from the failed call
+        with pytest.raises(ValueError, match="ajar"):
+            downstream.result()
+        return True
+
+    assert run(main, contexts=3)
