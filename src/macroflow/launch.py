@@ -258,6 +258,7 @@ def _kill(pid: int) -> None:
 def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: float,
                 computation: str) -> None:  # pragma: no cover
     code = 0
+    eng = None
     try:
         _set_pdeathsig()
         if os.getppid() == 1:
@@ -286,7 +287,10 @@ def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: fl
         _ctx._state.default = eng
         eng.serve_forever()
     except BaseException:
-        traceback.print_exc()
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        if eng is not None:
+            eng.report_fatal(text)
         code = 1
     finally:
         try:

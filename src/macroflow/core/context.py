@@ -9,7 +9,10 @@ kept here, and sent only to the contexts that asked for it (arcs and
 Message opcodes (the first item of every header):
 
 ========  ==============================================================
-CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, route)
+CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, route,
+          caller), where caller names the thread of control that issued it (the
+          issuing invocation's fid, or the context id for its root): calls of one
+          caller run on an object in the order issued
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label; the consumer
@@ -20,6 +23,8 @@ RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
 RSR       remote service request: (op, gid, handler, args, thread)
 SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
+FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
+          (op, traceback text), so the loss is reported with its cause
 ========  ==============================================================
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
@@ -28,6 +33,7 @@ The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 from __future__ import annotations
 
 import array
+import bisect
 import heapq
 import itertools
 import os
@@ -46,7 +52,7 @@ from .future import FINISHED, PENDING, Future, site_label
 from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
-CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY = range(7)
+CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL = range(8)
 _encode = marshal._encoder.dumps
 
 # kinds of call targets
@@ -81,7 +87,7 @@ class Call:
     """One invocation at the context that runs it (Mentat's computation instance)."""
 
     __slots__ = ("fid", "kind", "target", "method", "args", "kwargs", "arcs", "route",
-                 "caller", "missing", "tokens", "obj", "answered")
+                 "caller", "missing", "tokens", "obj", "answered", "order")
 
     def __init__(self, fid, kind, target, method, args, kwargs, arcs, route, caller):
         self.fid = fid
@@ -97,6 +103,7 @@ class Call:
         self.tokens: Optional[Dict[Any, Any]] = None
         self.obj: Any = None
         self.answered = False  # rtf already gave the result
+        self.order = 0  # arrival order at its object
 
 
 class Slot:
@@ -119,15 +126,29 @@ class Slot:
 
 
 class HostedObject:
-    """A persistent object living in this context: a monitor with a call queue."""
+    """A persistent object living in this context: a monitor with a call queue.
 
-    __slots__ = ("oid", "cls", "instance", "queue", "busy", "state", "error", "label", "guarded")
+    The queue is kept so that choosing the next call never rescans calls that
+    cannot run: a call whose arguments are missing waits in its caller's
+    *lane* with every later call of that caller (per-caller order), and costs
+    nothing until its argument arrives; calls that may run wait in ``ready``
+    (a heap by arrival order) or, if their method has a guard, in ``gready``
+    (sorted by arrival), whose guards are evaluated when the object picks.
+    """
+
+    __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
+                 "arrivals", "busy", "state", "error", "label", "guarded")
 
     def __init__(self, oid, label):
         self.oid = oid
         self.cls = None
         self.instance = None
-        self.queue: Deque[Call] = deque()
+        self.create: Optional[Call] = None  # the constructor call, until it runs
+        self.lanes: Dict[Any, Deque[Call]] = {}  # caller -> its calls from the first blocked one
+        self.ready: List[Tuple[int, Call]] = []  # heap of unguarded calls that may run
+        self.gready: List[Tuple[int, Call]] = []  # guarded calls that may run, by arrival
+        self.queued = 0  # calls waiting in lanes, ready and gready
+        self.arrivals = 0
         self.busy = False
         self.state = "new"  # new -> live | broken -> destroyed
         self.error: Optional[BaseException] = None
@@ -139,6 +160,14 @@ def _describe(target, method) -> str:
     cls = target[1] if isinstance(target, tuple) and len(target) > 1 else None
     name = getattr(cls, "__qualname__", None) or "object"
     return f"{name}.{method}" if method else name
+
+
+def _call_label(call: "Call") -> str:
+    if call.obj is not None:
+        return f"{call.obj.label}.{call.method}"
+    if call.kind == REGULAR:
+        return f"{getattr(call.target[0], '__qualname__', 'object')}.{call.method}"
+    return str(call.method)
 
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -197,6 +226,7 @@ class Engine:
         self.releases: Dict[int, List[Any]] = {}
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
+        self.fatal: Dict[int, str] = {}  # peers that reported an internal error before ending
         self.loads = [0] * size
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
@@ -268,8 +298,11 @@ class Engine:
         eager = site is not None and site.strict >= 2
         # the caller's manager placed it: that decision is the first of transfer_limit moves
         route = (1 << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
+        running = getattr(getcurrent(), "call", None)
+        caller = self.id if running is None else running.fid
         try:
-            data, bufs = _encode((CALL, fid, kind, target, method, args, kwargs, arcs, route))
+            data, bufs = _encode((CALL, fid, kind, target, method, args, kwargs, arcs, route,
+                                  caller))
         except marshal.PICKLE_ERRORS as e:
             raise errors.CallError(
                 f"cannot send the arguments of {site_label(site) or method}: "
@@ -531,10 +564,12 @@ class Engine:
             self._on_ready(msg[1])
         elif op == SHUTDOWN:
             self.stopping = True
+        elif op == FATAL:
+            self.fatal[src] = msg[1]
 
     def _on_call(self, src, msg) -> None:
-        _, fid, kind, target, method, args, kwargs, arcs, route = msg
-        call = Call(fid, kind, target, method, args, kwargs, arcs, route, fid[0])
+        _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
+        call = Call(fid, kind, target, method, args, kwargs, arcs, route, caller)
         if fid not in self.slots:
             self.slots[fid] = Slot()
         if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg, src):
@@ -566,14 +601,17 @@ class Engine:
                 obj.cls = target[1]
                 obj.guarded = _guarded_methods(target[1])
                 obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
-                obj.queue.appendleft(call)
-            elif not obj.busy and not obj.queue and not call.missing and obj.state == "live" \
+                obj.create = call
+                obj.queued += 1
+                if obj.queued > 1:
+                    _reclassify(obj)  # calls that came first were sorted without the class
+            elif not obj.busy and not obj.queued and not call.missing and obj.state == "live" \
                     and method not in obj.guarded:
                 obj.busy = True  # idle, nothing queued, no guard: run it now
                 self.spawn(self._run_object, obj, call)
                 return
             else:
-                obj.queue.append(call)
+                _enqueue(obj, call)
             self._pump(obj)
         elif call.missing == 0:
             self.spawn(self._run_free, call)
@@ -590,11 +628,15 @@ class Engine:
         if src == self.id:
             self.active -= 1
         slot = self.slots[call.fid]
-        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3),)
+        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9])
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
         self.send(dest, fwd)
         self._alias(call.fid, slot, call.fid, dest, None)
+        if msg[8] & EAGER:
+            # the new home sends the value to the caller unasked; should it be
+            # lost first, this context tells the caller
+            slot.subs.append((call.fid[0], (call.fid, None)))
         return True
 
     def _pump(self, obj: HostedObject) -> None:
@@ -606,40 +648,56 @@ class Engine:
             self.spawn(self._run_object, obj, call)
 
     def _pick(self, obj: HostedObject) -> Optional[Call]:
-        q = obj.queue
-        if not q:
-            return None
-        head = q[0]
         if obj.state == "new":
             # nothing runs before the constructor, which may still be on its way
-            return q.popleft() if head.kind == CREATE and head.missing == 0 else None
-        if head.missing == 0 and (head.method not in obj.guarded or obj.state != "live"):
-            return q.popleft()
-        blocked = set()
-        for i, call in enumerate(q):
-            if call.caller in blocked:
-                continue
-            if call.missing:
-                blocked.add(call.caller)
-                continue
-            guard = meth = None
-            if obj.state == "live" and call.method != DESTROY and call.kind != CREATE:
+            call = obj.create
+            if call is None or call.missing:
+                return None
+            obj.create = None
+            obj.queued -= 1
+            self.stats.calls_examined += 1
+            return call
+        ready, gready = obj.ready, obj.gready
+        while gready:
+            first = ready[0][0] if ready else None
+            if obj.state != "live":  # no guards: every call fails in arrival order
+                if first is None or gready[0][0] < first:
+                    obj.queued -= 1
+                    self.stats.calls_examined += 1
+                    return gready.pop(0)[1]
+                break
+            # guarded calls that came before the first unguarded one, in arrival order
+            st = self.stats
+            failed = False
+            for i, (order, call) in enumerate(gready):
+                if first is not None and order > first:
+                    break
                 meth = getattr(obj.cls, call.method, None)
-                guard = getattr(meth, "__mf_guard__", None)
-            if guard is not None:
+                guard = meth.__mf_guard__
+                st.calls_examined += 1
+                st.guards_evaluated += 1
                 try:
                     if meth.__mf_guard_args__:
                         ok = guard(obj.instance, *self._fill(call.args, call), **self._fill_kw(call))
                     else:
                         ok = guard(obj.instance)
                 except BaseException as e:  # a failing guard fails its call
-                    del q[i]
+                    del gready[i]
+                    obj.queued -= 1
                     self._finish(call, False, e)
-                    return self._pick(obj)
-                if not ok:
-                    continue  # later calls whose guards hold may pass this one
-            del q[i]
-            return call
+                    failed = True
+                    break  # look again: the list changed
+                if ok:
+                    del gready[i]
+                    obj.queued -= 1
+                    return call
+                # later calls whose guards hold may pass this one
+            if not failed:
+                break
+        if ready:
+            obj.queued -= 1
+            self.stats.calls_examined += 1
+            return heapq.heappop(ready)[1]
         return None
 
     def _run_object(self, obj: HostedObject, call: Call) -> None:
@@ -652,7 +710,7 @@ class Engine:
             else:
                 self._execute_on_object(obj, call)
             g.call = None
-            call = self._pick(obj) if obj.queue else None
+            call = self._pick(obj) if obj.queued else None
         obj.busy = False
 
     def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
@@ -847,31 +905,44 @@ class Engine:
         slot.keep = keep
         subs, slot.subs = slot.subs, []
         for dest, label in subs:
-            self._relay(to_fid, home, dest, label)
+            self._relay(slot, to_fid, home, dest, label)
         self._maybe_drop(fid, slot)
 
-    def _relay(self, to_fid, home, dest, label) -> None:
+    def _relay(self, slot: Slot, to_fid, home, dest, label) -> None:
         if home == self.id:
             self._on_forward(to_fid, dest, label)
         elif home in self.lost:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
+            # remembered: if home is lost before it answers, the requester is told
+            slot.subs.append((dest, label))
             self.send(home, (FORWARD, to_fid, dest, label))
 
     def _on_forward(self, fid, dest, label) -> None:
-        slot = self.slots.get(fid)
-        if slot is None:
-            slot = self.slots[fid] = Slot()  # the call itself has not arrived yet
-        if label[1] is not None:
-            slot.served += 1
-        if slot.alias is not None:
-            self._relay(slot.alias[0], slot.alias[1], dest, label)
+        # A loop, not recursion: a chain of aliases (a method returning a call
+        # that returns a call ...) may be as long as the computation is deep.
+        slots = self.slots
+        while True:
+            slot = slots.get(fid)
+            if slot is None:
+                slot = slots[fid] = Slot()  # the call itself has not arrived yet
+            if label[1] is not None:
+                slot.served += 1
+            alias = slot.alias
+            if alias is None:
+                if slot.state == FINISHED:
+                    self._send_value(dest, label, slot)
+                    self._maybe_drop(fid, slot)
+                else:
+                    slot.subs.append((dest, label))
+                return
+            to_fid, home = alias
+            if home != self.id:
+                self._relay(slot, to_fid, home, dest, label)
+                self._maybe_drop(fid, slot)
+                return
             self._maybe_drop(fid, slot)
-        elif slot.state == FINISHED:
-            self._send_value(dest, label, slot)
-            self._maybe_drop(fid, slot)
-        else:
-            slot.subs.append((dest, label))
+            fid = to_fid
 
     def _maybe_drop(self, fid, slot: Slot) -> None:
         if slot.released and slot.served >= slot.expect:
@@ -930,8 +1001,20 @@ class Engine:
         call.missing -= 1
         if call.missing:
             return
-        if call.obj is not None:
-            self._pump(call.obj)
+        obj = call.obj
+        if obj is not None:
+            if obj.create is not call:
+                lane = obj.lanes.get(call.caller)
+                if lane is not None and lane[0] is call:
+                    # the caller's first blocked call is free: so are the calls
+                    # behind it, up to the next one still missing an argument
+                    lane.popleft()
+                    _make_eligible(obj, call)
+                    while lane and not lane[0].missing:
+                        _make_eligible(obj, lane.popleft())
+                    if not lane:
+                        del obj.lanes[call.caller]
+            self._pump(obj)
         else:
             self.spawn(self._run_free, call)
 
@@ -982,6 +1065,8 @@ class Engine:
         if peer in self.lost or self.stopping:
             return
         how = self.describe_lost(peer) or how
+        if peer in self.fatal:
+            how = f"{how} after an internal error of its engine:\n{self.fatal[peer]}"
         self.lost[peer] = how
         self.stats.contexts_lost += 1
         if peer == 0 and self.id != 0:
@@ -1005,10 +1090,48 @@ class Engine:
                 self._token_arrived(call, label, False, exc)
         for fid, slot in list(self.slots.items()):
             if slot.alias is not None and slot.alias[1] == peer:
+                # requests passed on to the lost context: it will never answer them
                 subs, slot.subs = slot.subs, []
                 for dest, label in subs:
-                    self._relay(None, peer, dest, label)
-            slot.subs = [(d, l) for d, l in slot.subs if d != peer]
+                    if dest != peer:
+                        self.send_error(dest, label, exc)
+            elif slot.subs:
+                slot.subs = [(d, l) for d, l in slot.subs if d != peer]
+
+    def report_fatal(self, text: str) -> None:
+        """Tell every reachable context that this engine failed, and why, before
+        the process ends (best effort: the connections may be broken too)."""
+        self.stopping = True
+        for c in range(self.size):
+            if c != self.id and c not in self.lost:
+                try:
+                    self.send(c, (FATAL, text))
+                except Exception:
+                    pass
+        try:
+            self.transport.flush()
+        except Exception:
+            pass
+
+    def internal_error(self, call: Optional[Call], exc: BaseException) -> None:
+        """A bug of the runtime while it ran ``call``: fail the call (so nobody
+        waits for it) and free its object, rather than leave both stuck."""
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        if call is None:
+            return
+        if not call.answered:
+            err = errors.MacroflowError(
+                f"internal error of macroflow on context {self.id} while running "
+                f"{_call_label(call)}: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            try:
+                self._finish(call, False, err)
+            except Exception:
+                traceback.print_exc()
+        obj = call.obj
+        if obj is not None and obj.busy:
+            obj.busy = False
+            self._pump(obj)
 
     # ------------------------------------------------------------------ queries
     def snapshot(self) -> Dict[str, Any]:
@@ -1035,6 +1158,36 @@ def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
     flat = array.array("q")
     flat.frombytes(data)
     return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
+def _enqueue(obj: HostedObject, call: Call) -> None:
+    obj.arrivals += 1
+    call.order = obj.arrivals
+    obj.queued += 1
+    lane = obj.lanes.get(call.caller)
+    if lane is not None:
+        lane.append(call)  # behind a call of the same caller that is still missing an argument
+    elif call.missing:
+        obj.lanes[call.caller] = deque((call,))
+    else:
+        _make_eligible(obj, call)
+
+
+def _make_eligible(obj: HostedObject, call: Call) -> None:
+    if call.method in obj.guarded:
+        bisect.insort(obj.gready, (call.order, call))
+    else:
+        heapq.heappush(obj.ready, (call.order, call))
+
+
+def _reclassify(obj: HostedObject) -> None:
+    # calls that came before the constructor were sorted before the class (and
+    # so its guards) was known
+    calls = [c for _, c in obj.ready] + [c for _, c in obj.gready]
+    obj.ready, obj.gready = [], []
+    for c in calls:
+        _make_eligible(obj, c)
+    heapq.heapify(obj.ready)
 
 
 def _guarded_methods(cls) -> frozenset:

@@ -53,9 +53,8 @@ class Worker(greenlet.greenlet):
                 fn(*args)
             except greenlet.GreenletExit:
                 raise
-            except BaseException:  # the engine's own bug: report, keep serving
-                import traceback
-                traceback.print_exc()
+            except BaseException as e:  # the engine's own bug: report, keep serving
+                self.engine.internal_error(self.call, e)
             self.call = None
             task = root.switch(DONE)
 

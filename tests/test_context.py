@@ -1,0 +1,210 @@
+"""The progress engine under load: long chains, deep elaboration, lost contexts,
+and bugs of the engine itself, on every transport."""
+
+import os
+import signal
+import time
+
+import pytest
+
+import macroflow as mf
+from macroflow.core import context as ctxmod
+
+from common import Gate
+
+
+@mf.persistent
+class Chain:
+    def __init__(self):
+        self.open = True
+
+    def inc(self, x):
+        return x + 1
+
+    @mf.guard(lambda self: self.open)
+    def ginc(self, x):
+        return x + 1
+
+
+@pytest.mark.timeout(120)
+def test_a_long_chain_examines_each_call_about_once(run):
+    # A call waiting for its argument must not be looked at again until the
+    # argument arrives: the picker's work grows with the chain, not its square.
+    n = 3000
+
+    def main():
+        a = Chain.create(on=1)
+        before = mf.stats()[1]
+        f = 0
+        for _ in range(n):
+            f = a.inc(f)
+        g = 0
+        for _ in range(n):
+            g = a.ginc(g)
+        assert (f.result(), g.result()) == (n, n)
+        after = mf.stats()[1]
+        return {k: after[k] - before[k] for k in ("calls_examined", "guards_evaluated")}
+
+    got = run(main, contexts=2)
+    assert got["guards_evaluated"] <= n + 10
+    assert got["calls_examined"] <= 2 * n + 10
+
+
+@mf.persistent
+class Fact:
+    def __init__(self):
+        self.calls = 0
+
+    def setup(self, me):
+        self.me = me
+
+    def fact(self, n, acc=1):
+        # a tail call on its own object: elaboration makes a chain of aliases
+        self.calls += 1
+        if n <= 1:
+            return acc
+        return self.me.fact(n - 1, acc * n % 1000003)
+
+    def fact2(self, n):
+        # the product as a call that waits for the recursive call's value
+        if n <= 1:
+            return 1
+        return self.me.mul(self.me.fact2(n - 1), n)
+
+    def mul(self, a, b):
+        return a * b % 1000003
+
+    def count(self):
+        return self.calls
+
+
+def _fact(n):
+    r = 1
+    for i in range(2, n + 1):
+        r = r * i % 1000003
+    return r
+
+
+@pytest.mark.timeout(120)
+def test_elaboration_100000_deep_does_not_use_the_stack(run):
+    n = 100_000
+
+    def main():
+        p = Fact.create(on=1)
+        p.setup(p)
+        f = p.fact(n)
+        # let the whole chain of aliases exist before anyone asks for the value
+        while p.count().result() < n:
+            pass
+        return f.result(timeout=60)
+
+    assert run(main, contexts=2) == _fact(n)
+
+
+@pytest.mark.timeout(60)
+def test_a_methods_own_calls_are_ordered_per_invocation_not_per_context(run):
+    # fact2(n) issues fact2(n-1) then mul(fact2(n-1), n); fact2(n-1) issues its
+    # own mul later. Ordering all calls from one context would make mul(n) wait
+    # behind mul(n-1), which it needs: a deadlock.
+    def main():
+        p = Fact.create(on=1)
+        p.setup(p)
+        return p.fact2(300).result(timeout=30)
+
+    assert run(main, contexts=2) == _fact(300)
+
+
+@mf.persistent
+class Relay:
+    def ask(self, other):
+        return other.wait()  # elaboration: the value will come from `other`
+
+
+@pytest.mark.timeout(60)
+def test_a_request_passed_on_to_a_context_that_dies_fails_with_context_lost():
+    # main asks context 1, whose result is an alias of a call on context 2; when
+    # context 2 dies, context 1 must tell main, which asked it, not context 2.
+    def main():
+        relay = Relay.create(on=1)
+        gate = Gate.create(on=2)
+        pid = gate.pid().result()
+        f = relay.ask(gate)
+        g = relay.ask(gate)
+        mf.wait([relay.ask(gate)], timeout=0.2)  # both are aliased by now
+        f._engine.request_value(f)
+        t = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(mf.ContextLost) as e1:
+            f.result(timeout=10)
+        with pytest.raises(mf.ContextLost):
+            g.result(timeout=10)
+        return time.monotonic() - t, e1.value.context
+
+    took, lost = mf.run(main, contexts=3, transport="local")
+    assert lost == 2
+    assert took < 2.0
+
+
+def _broken_rsr(self, msg):
+    if self.id == 2:
+        raise ZeroDivisionError("engine bug for the test")
+    return _orig_rsr(self, msg)
+
+
+_orig_rsr = ctxmod.Engine._on_rsr
+
+
+def _noop(target):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_an_internal_error_ends_the_context_and_is_reported_with_its_traceback(monkeypatch):
+    # forked contexts inherit the patched engine: context 2's loop fails
+    monkeypatch.setattr(ctxmod.Engine, "_on_rsr", _broken_rsr)
+
+    def main():
+        gate = Gate.create(on=2)
+        relay = Relay.create(on=1)
+        waiting = relay.ask(gate)  # depends on context 2 through an alias
+        direct = gate.wait()
+        mf.wait([gate.pid()])
+        t = time.monotonic()
+        mf.rsr(gate.gptr if hasattr(gate, "gptr") else mf.info(gate).gptr, _noop)
+        errs = []
+        for f in (direct, waiting):
+            with pytest.raises(mf.ContextLost) as e:
+                f.result(timeout=10)
+            errs.append(str(e.value))
+        return time.monotonic() - t, errs
+
+    took, errs = mf.run(main, contexts=3, transport="local")
+    assert took < 2.0
+    for text in errs:
+        assert "context 2 was lost" in text
+        assert "internal error" in text and "ZeroDivisionError: engine bug for the test" in text
+        assert "Traceback" in text
+
+
+_orig_invoke = ctxmod.Engine._invoke
+
+
+def _broken_invoke(self, fn, call, *pre):
+    if call.method == "inc" and call.args == (-1,):
+        raise KeyError("engine bug for the test")
+    return _orig_invoke(self, fn, call, *pre)
+
+
+@pytest.mark.timeout(60)
+def test_an_internal_error_while_running_a_call_fails_that_call_only(run, monkeypatch):
+    monkeypatch.setattr(ctxmod.Engine, "_invoke", _broken_invoke)
+
+    def main():
+        a = Chain.create(on=1)
+        bad = a.inc(-1)
+        good = a.inc(1)
+        with pytest.raises(mf.MacroflowError, match="internal error.*Chain.inc.*KeyError"):
+            bad.result(timeout=10)
+        return good.result(timeout=10), a.inc(2).result(timeout=10)
+
+    assert run(main, contexts=2) == (2, 3)
