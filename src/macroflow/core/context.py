@@ -150,7 +150,7 @@ class HostedObject:
         self.queued = 0  # calls waiting in lanes, ready and gready
         self.arrivals = 0
         self.busy = False
-        self.state = "new"  # new -> live | broken -> destroyed
+        self.state = "new"  # new -> live | broken -> destroyed; missing: never created here
         self.error: Optional[BaseException] = None
         self.label = label
         self.guarded: frozenset = frozenset()  # names of methods with a guard
@@ -221,6 +221,14 @@ class Engine:
         self.early: Dict[Any, Any] = {}  # values that came before anyone asked (rtf)
         self.adopted: Dict[Any, Any] = {}  # weak map fid -> Future for futures received by value
         self.objects: Dict[Any, HostedObject] = {}
+        # Calls to an object id with no object here: the constructor is on its
+        # way, or the object is gone. Frames from one context arrive in the
+        # order sent, so once a later call from the object's creator has come,
+        # its constructor would have come too: `seen` holds the highest call
+        # number received from each context, `unborn` the ids still waiting.
+        self.seen: Dict[int, int] = {}
+        self.unborn: Dict[int, List[Any]] = {}
+        self.tombstones: Dict[Any, str] = {}  # recently removed objects: their labels
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
         self.regular_pool: Dict[Any, List[Any]] = {}
         self.releases: Dict[int, List[Any]] = {}
@@ -570,6 +578,10 @@ class Engine:
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
         call = Call(fid, kind, target, method, args, kwargs, arcs, route, caller)
+        if src == fid[0] and fid[1] > self.seen.get(src, 0):
+            self.seen[src] = fid[1]
+            if self.unborn and src in self.unborn:
+                self._check_unborn(src)
         if fid not in self.slots:
             self.slots[fid] = Slot()
         if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg, src):
@@ -595,7 +607,7 @@ class Engine:
             oid = target[0]
             obj = self.objects.get(oid)
             if obj is None:
-                obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
+                obj = self._unknown_object(oid, call, target)
             call.obj = obj
             if kind == CREATE:
                 obj.cls = target[1]
@@ -615,6 +627,40 @@ class Engine:
             self._pump(obj)
         elif call.missing == 0:
             self.spawn(self._run_free, call)
+
+    def _unknown_object(self, oid, call: Call, target) -> HostedObject:
+        obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
+        if call.kind == CREATE:
+            return obj
+        label = self.tombstones.get(oid)
+        if label is not None:
+            obj.label, obj.state = label, "destroyed"
+        elif self.seen.get(oid[0], 0) >= oid[1]:
+            obj.state = "missing"
+        else:
+            self.unborn.setdefault(oid[0], []).append(oid)  # its constructor is on its way
+        return obj
+
+    def _check_unborn(self, creator: int) -> None:
+        waiting = self.unborn.pop(creator)
+        seen = self.seen[creator]
+        for oid in waiting:
+            obj = self.objects.get(oid)
+            if obj is None or obj.state != "new" or obj.create is not None:
+                continue
+            if oid[1] >= seen:  # equal: this is the constructor arriving
+                self.unborn.setdefault(creator, []).append(oid)
+                continue
+            obj.state = "missing"  # its constructor would have come by now
+            self._pump(obj)
+
+    def _forget_object(self, obj: HostedObject) -> None:
+        # a destroyed object leaves once its last call has run
+        if self.objects.get(obj.oid) is obj:
+            del self.objects[obj.oid]
+            if len(self.tombstones) >= EARLY_MAX:
+                del self.tombstones[next(iter(self.tombstones))]
+            self.tombstones[obj.oid] = obj.label
 
     def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
         pl = self.placement
@@ -712,6 +758,8 @@ class Engine:
             g.call = None
             call = self._pick(obj) if obj.queued else None
         obj.busy = False
+        if obj.state in _GONE and not obj.queued:
+            self._forget_object(obj)
 
     def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
         if call.kind == CREATE:
@@ -730,14 +778,11 @@ class Engine:
             self._finish(call, True, None)
             return
         if obj.state != "live":
-            if obj.state == "broken":
-                err = errors.ObjectDestroyed(f"{obj.label} could not be created: "
-                                             f"{type(obj.error).__name__}: {obj.error}")
-                err.__cause__ = obj.error
-            else:
-                err = errors.ObjectDestroyed(f"{obj.label} was destroyed; "
-                                             f"{call.method}() cannot run")
-            self._finish(call, False, err)
+            if obj.state == "broken" and call.method == DESTROY:
+                obj.state = "destroyed"  # an object whose constructor failed can go
+                self._finish(call, True, None)
+                return
+            self._finish(call, False, self._dead_object_error(obj, call))
             return
         if call.method == DESTROY:
             obj.state = "destroyed"
@@ -751,6 +796,22 @@ class Engine:
                     traceback.print_exc()
             return
         self._invoke(getattr(obj.instance, call.method, None), call)
+
+    def _dead_object_error(self, obj: HostedObject, call: Call) -> errors.ObjectDestroyed:
+        what = "destroy()" if call.method == DESTROY else f"{call.method}()"
+        if obj.state == "broken":
+            err = errors.ObjectDestroyed(f"{obj.label} could not be created, so {what} cannot "
+                                         f"run: {type(obj.error).__name__}: {obj.error}")
+            err.__cause__ = obj.error
+            return err
+        if obj.state == "missing":
+            return errors.ObjectDestroyed(
+                f"no object {obj.oid[0]}.{obj.oid[1]} on context {self.id} "
+                f"(destroyed, or never created here), so {what} cannot run")
+        if call.method == DESTROY:
+            return errors.ObjectDestroyed(f"{obj.label} {obj.oid[0]}.{obj.oid[1]} was already destroyed")
+        return errors.ObjectDestroyed(f"{obj.label} {obj.oid[0]}.{obj.oid[1]} was destroyed; "
+                                      f"{what} cannot run")
 
     def _run_free(self, call: Call) -> None:
         g = getcurrent()
@@ -1074,6 +1135,11 @@ class Engine:
             self.stopping = True
             return
         exc = errors.ContextLost(peer, how)
+        for oid in self.unborn.pop(peer, ()):
+            obj = self.objects.get(oid)
+            if obj is not None and obj.state == "new" and obj.create is None:
+                obj.state = "missing"  # its creator is gone before it sent the constructor
+                self._pump(obj)
         for fid, ref in list(self.eager.items()):
             f = ref()
             if f is None or f._home == peer:
@@ -1158,6 +1224,9 @@ def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
     flat = array.array("q")
     flat.frombytes(data)
     return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
+_GONE = ("destroyed", "missing")
 
 
 def _enqueue(obj: HostedObject, call: Call) -> None:
