@@ -226,7 +226,7 @@ def test_destroyed_objects_leave_the_table_and_memory_stays_flat():
     def main():
         pid = mf.stats()[1]["pid"]
         rss = []
-        for _ in range(5):
+        for _ in range(7):
             cells = [Cell.create(i, on=1) for i in range(4000)]
             mf.gather([c.destroy() for c in cells])
             del cells
@@ -237,7 +237,7 @@ def test_destroyed_objects_leave_the_table_and_memory_stays_flat():
 
     rss, held = mf.run(main, contexts=2, transport="local")
     # before objects were removed, each round of 4,000 kept ~1.6 MB more
-    assert rss[-1] - rss[1] < 1_000_000, rss
+    assert rss[-1] - rss[2] < 2_000_000, rss
     assert held < 300
 
 
