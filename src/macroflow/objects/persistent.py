@@ -280,8 +280,11 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
         takes_args = False
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.__mf_guard__ = predicate  # type: ignore[attr-defined]
-        fn.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
+        # on the function itself: the object finds it through getattr(cls, name),
+        # which unwraps a staticmethod or classmethod put around the guard
+        target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+        target.__mf_guard__ = predicate  # type: ignore[attr-defined]
+        target.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
         return fn
 
     return deco
