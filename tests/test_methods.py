@@ -7,6 +7,166 @@ import macroflow as mf
 
 pytestmark = pytest.mark.timeout(60)
 
+# Every name a handle used to have for itself, and a few more a runtime might want.
+NAMES = ["context", "destroy", "args", "kwargs", "on", "oid", "created", "gptr", "cls", "info", "id"]
+
+
+def _named(name):
+    def method(self, x=None):
+        return (name, x)
+    method.__name__ = name
+    return method
+
+
+@mf.persistent
+class Shadowy:
+    """A persistent class whose methods have the names above."""
+
+    def __init__(self):
+        self.destroyed_by_user = False
+
+    def destroy(self):
+        self.destroyed_by_user = True
+        return "user destroy"
+
+    def alive(self):
+        return self.destroyed_by_user
+
+
+for _n in NAMES:
+    if _n != "destroy":
+        setattr(Shadowy, _n, _named(_n))
+
+
+@mf.regular
+class ShadowyR:
+    pass
+
+
+for _n in NAMES:
+    setattr(ShadowyR, _n, _named(_n))
+
+
+@mf.persistent
+class Keeper:
+    def __init__(self):
+        self.h = None
+
+    def keep(self, h):
+        self.h = h
+
+    def info_of_kept(self):
+        i = mf.info(self.h)
+        return i.kind, i.context, i.id, i.created, i.gptr.context
+
+    def call_kept(self):
+        return self.h.alive().result()
+
+
+def test_user_methods_may_have_any_public_name(run):
+    def main():
+        p, r = Shadowy.create(on=1), ShadowyR()
+        got_p = mf.gather([getattr(p, n)(1) for n in NAMES if n != "destroy"])
+        got_r = mf.gather([getattr(r, n)(2) for n in NAMES])
+        return got_p, got_r, p.destroy().result(), p.alive().result()
+
+    got_p, got_r, destroyed, alive = run(main)
+    assert got_p == [(n, 1) for n in NAMES if n != "destroy"]
+    assert got_r == [(n, 2) for n in NAMES]
+    assert destroyed == "user destroy" and alive is True  # the user's destroy ran; the object lives
+
+
+def test_handles_have_no_public_attributes_of_their_own():
+    for cls in (mf.PersistentHandle, mf.RegularHandle):
+        assert [n for n in dir(cls) if not n.startswith("_")] == []
+
+
+def test_private_names_are_not_remote_methods(run):
+    def main():
+        p = Shadowy.create(on=1)
+        with pytest.raises(AttributeError, match="only public methods"):
+            p._secret
+        return hasattr(p, "_repr_html_"), hasattr(ShadowyR(), "_ipython_display_")
+
+    assert run(main) == (False, False)
+
+
+def test_destroy_function(run):
+    def main():
+        p = Shadowy.create(on=1)
+        p.alive()
+        assert mf.destroy(p).result() is None
+        err = p.alive().exception()
+        with pytest.raises(TypeError, match="regular class"):
+            mf.destroy(ShadowyR())
+        with pytest.raises(TypeError, match="persistent object; got int"):
+            mf.destroy(3)
+        return err
+
+    err = run(main)
+    assert isinstance(err, mf.ObjectDestroyed) and "destroyed" in str(err)
+
+
+def test_info_of_a_persistent_handle(run):
+    def main():
+        p = Shadowy.create(on=2)
+        i = mf.info(p)
+        with pytest.raises(AttributeError):
+            i.context = 0  # frozen
+        k = Keeper.create(on=1)
+        k.keep(p)
+        remote = k.info_of_kept().result()
+        return (i.kind, i.cls, i.context, i.id, i.created.result(), i.gptr.context, i.gptr.kind,
+                i.gptr.ident == i.id, i.computation == mf.info(k).computation, remote)
+
+    kind, cls, ctx, oid, created, gctx, gkind, same, same_comp, remote = run(main)
+    assert (kind, cls, ctx, created, gctx, gkind, same, same_comp) == \
+        ("persistent", Shadowy, 2, None, 2, "object", True, True)
+    # a copy sent elsewhere knows everything but the constructor's future
+    assert remote == ("persistent", 2, oid, None, 2)
+
+
+def test_info_of_regular_handles(run):
+    def main():
+        pinned, free = mf.info(ShadowyR.create(on=1)), mf.info(ShadowyR())
+        return [(i.kind, i.cls, i.context, i.id, i.created, i.gptr) for i in (pinned, free)]
+
+    assert run(main) == [("regular", ShadowyR, 1, None, None, None),
+                         ("regular", ShadowyR, None, None, None, None)]
+
+
+def test_info_needs_a_handle():
+    with pytest.raises(TypeError, match="takes a handle"):
+        mf.info(Shadowy)
+
+
+def test_reserved_class_names_are_refused_with_the_reason():
+    with pytest.raises(TypeError, match=r"Bad defines 'create', a name @mf.regular reserves: "
+                                        r"Cls.create\(...\) is how objects"):
+        @mf.regular
+        class Bad:
+            @staticmethod
+            def create():
+                pass
+
+    class Base:
+        def create(self):
+            pass
+
+    with pytest.raises(TypeError, match=r"defines 'create' \(inherited from .*Base\)"):
+        @mf.persistent
+        class Child(Base):
+            pass
+
+
+@mf.persistent
+class Sub(Keeper):
+    """A persistent class derived from a persistent class: its create is not a user's."""
+
+
+def test_a_parallel_class_may_derive_from_another(run):
+    assert run(lambda: Sub.create(on=1).info_of_kept().exception() is not None)
+
 
 # -- static and class methods ---------------------------------------------------
 @mf.persistent

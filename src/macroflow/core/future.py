@@ -5,12 +5,18 @@ and a counter, Mentat's tag) and by its *home*, the context that will hold the
 value. Nothing is sent to the holder of a future until someone needs the value:
 passing the future to another call adds an arc (the home sends the value
 straight to the consumer); ``result()`` asks the home for a copy.
+
+A future belongs to the computation that made it (its engine's): waiting on
+it, passing it on or pickling it once that computation has ended raises
+:class:`macroflow.StaleReference`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import errors
+from .threads import getcurrent
 
 PENDING, FINISHED = 0, 1
 
@@ -68,7 +74,16 @@ class Future:
         its producer finished: call :meth:`result` or :func:`macroflow.wait`.
 
         Example:
-            >>> # f = obj.method(); f.done() -> False until the value is here
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class M:
+            ...     def one(self): return 1
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     f = M.create(on=1).one()
+            ...     before = f.done()      # nobody asked for it yet
+            ...     _ = f.result()
+            ...     before, f.done()
+            (False, True)
         """
         return self._state == FINISHED
 
@@ -78,9 +93,17 @@ class Future:
         A remote exception keeps its type and message; the remote traceback is
         its ``__cause__``. ``timeout`` (seconds) raises
         :class:`macroflow.TimeoutError` without cancelling the call.
+        A future whose value is here keeps it after its computation ended;
+        one still waiting then raises :class:`macroflow.StaleReference`.
 
         Example:
-            >>> # total = acc.add(5).result(timeout=10)
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class M:
+            ...     def add(self, a, b): return a + b
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     M().add(2, 3).result(timeout=10)
+            5
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
@@ -92,7 +115,13 @@ class Future:
         """Wait like :meth:`result`, then return the exception or None.
 
         Example:
-            >>> # err = m.divide(1, 0).exception(); isinstance(err, ZeroDivisionError)
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class M:
+            ...     def div(self, a, b): return a / b
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     type(M().div(1, 0).exception()).__name__
+            'ZeroDivisionError'
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
@@ -104,7 +133,16 @@ class Future:
         Callbacks run on the context's progress engine and must not block.
 
         Example:
-            >>> # f.add_done_callback(lambda f: print("got", f.result()))
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class M:
+            ...     def one(self): return 1
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     f = M().one()
+            ...     f.add_done_callback(lambda f: print("got", f.result()))
+            ...     mf.wait([f])[1]
+            got 1
+            []
         """
         if self._state == FINISHED:
             fn(self)
@@ -117,7 +155,14 @@ class Future:
         """The context that holds (or will hold) this future's value.
 
         Example:
-            >>> # acc.add(1).home == acc.context
+            >>> import macroflow as mf
+            >>> @mf.persistent
+            ... class Acc:
+            ...     def add(self, x): return x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     acc = Acc.create(on=1)
+            ...     acc.add(1).home == mf.info(acc).context
+            True
         """
         return self._home
 
@@ -142,10 +187,13 @@ class Future:
                 traceback.print_exc()
 
     def __reduce__(self):
+        eng = self._engine
+        if eng.closed:
+            raise stale_future(self)
         # A future that travels inside a value (not as an arc) may be asked for
         # by its new holder at any time, so its home must keep the value.
         self._escaped = True
-        return (_rebuild, (self._fid, self._home, self._target))
+        return (_rebuild, (self._fid, self._home, self._target, eng.computation))
 
     def __del__(self):
         eng = self._engine
@@ -186,9 +234,76 @@ def site_label(site: Any) -> str:
     return site if isinstance(site, str) else getattr(site, "label", "")
 
 
-def _rebuild(fid: FutureId, home: int, target: Any) -> Future:
+def _rebuild(fid: FutureId, home: int, target: Any, computation: str) -> Future:
     from .context import current_engine
+    running = running_computation()
+    if running != computation:
+        raise errors.StaleReference(f"future {fid[0]}.{fid[1]} @ctx{home}", computation, running)
     return current_engine().adopt_future(fid, home, target)
 
 
-__all__ = ["Future", "CallSite", "PENDING", "FINISHED"]
+# -- identity ------------------------------------------------------------------
+def running_computation() -> Optional[str]:
+    """The id of the computation running here, or None if none is.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc") as s:
+        ...     running_computation() == s.computation
+        True
+        >>> running_computation() is None
+        True
+    """
+    from .context import _state
+    eng = getattr(getcurrent(), "engine", None) or _state.current or _state.default
+    if eng is None or eng.closed:
+        return None
+    return eng.computation
+
+
+def current_engine_of(computation: Optional[str], label: str, ref: Any) -> Any:
+    """The running engine, if it belongs to ``computation``; else StaleReference.
+
+    ``label`` and ``ref`` name the reference in the error ("handle", the
+    handle). A ``computation`` of None belongs to none: any will do.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc") as s:
+        ...     current_engine_of(s.computation, "handle", None).id
+        0
+        >>> current_engine_of(s.computation, "handle", "h")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        macroflow.core.errors.StaleReference: handle 'h' belongs to computation ..., which has ended (no computation is running)
+    """
+    from .context import current_engine
+    try:
+        eng = current_engine()
+    except RuntimeError:
+        if computation is not None and running_computation() is None:
+            raise errors.StaleReference(f"{label} {ref!r}", computation, None) from None
+        raise
+    if computation is not None and eng.computation != computation:
+        raise errors.StaleReference(f"{label} {ref!r}", computation, eng.computation)
+    return eng
+
+
+def stale_future(f: Future) -> errors.StaleReference:
+    """The error for using ``f`` outside its computation (see StaleReference).
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.regular
+        ... class M:
+        ...     def one(self): return 1
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     f = M.create(on=1).one()
+        >>> type(stale_future(f)).__name__
+        'StaleReference'
+    """
+    return errors.StaleReference(f"future {f!r}", f._engine.computation, running_computation())
+
+
+__all__ = ["Future", "CallSite", "PENDING", "FINISHED", "running_computation", "current_engine_of",
+           "stale_future"]
