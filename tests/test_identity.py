@@ -1,6 +1,7 @@
 """References belong to their computation: handles, futures and global pointers
 kept from one computation fail clearly in the next one, or after it ended."""
 
+import asyncio
 import pickle
 
 import pytest
@@ -210,3 +211,15 @@ def test_global_pointer_from_another_computation(run):
     errors, now = run(second)
     for err in errors:
         _stale_message(err, kept["comp"], now)
+
+
+def test_awaiting_a_future_of_an_ended_computation(transport):
+    with mf.init(contexts=2, transport=transport) as s:
+        f = Gate.create(on=1).wait("never")
+
+    async def amain():
+        return await f
+
+    with pytest.raises(mf.StaleReference) as e:
+        asyncio.run(amain())
+    _stale_message(e.value, s.computation, None)

@@ -1,9 +1,12 @@
 """Method names and kinds: handles reserve no name; static, class and coroutine
 methods; futures awaited from asyncio on the caller's side. On every transport."""
 
+import asyncio
+
 import pytest
 
 import macroflow as mf
+from common import Gate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -238,3 +241,160 @@ def test_guard_on_a_static_method(run):
         return f.result()
 
     assert run(main) == "through"
+
+
+# -- coroutine methods ------------------------------------------------------------
+@mf.persistent
+class Async:
+    def __init__(self, helper=None):
+        self.helper = helper
+        self.n = 0
+
+    async def double(self, x):
+        return 2 * x
+
+    async def through(self, gate, x):
+        # awaits a call on another object: parks; the context serves the rest
+        got = await gate.wait(x)
+        self.n += 1
+        return got
+
+    async def chain(self, x):
+        async def inner(y):
+            return await self.helper.mul(y, 3)
+        return await inner(x) + await self.helper.mul(x, 1)
+
+    async def fails(self):
+        await self.helper.mul(1, 1)
+        raise KeyError("inside")
+
+    async def sleeps(self):
+        await asyncio.sleep(0)
+
+    async def answers_early(self, gate):
+        mf.rtf("early")
+        await gate.wait()
+        self.n += 1
+
+    async def elaborates(self, x):
+        return self.helper.mul(x, x)  # a future: elaboration
+
+    def count(self):
+        return self.n
+
+    @staticmethod
+    async def static_double(x):
+        return 2 * x
+
+
+@mf.regular
+class AsyncR:
+    async def square(self, helper, x):
+        return await helper.mul(x, x)
+
+
+def test_coroutine_methods_run(run):
+    def main():
+        a = Async.create(RTools(), on=1)
+        return mf.gather([a.double(21), a.chain(2), a.static_double(4), a.elaborates(5),
+                          AsyncR().square(RTools(), 9)])
+
+    assert run(main) == [42, 8, 8, 25, 81]
+
+
+def test_coroutine_method_waits_without_stalling_its_context(run):
+    def main():
+        gate = Gate.create(on=1)
+        a = Async.create(on=1)  # same context as the gate
+        fs = [a.through(gate, i) for i in range(3)]
+        assert not mf.wait(fs, timeout=0.05)[0]
+        gate.open()  # runs on context 1 while a's method is parked there
+        return mf.gather(fs), a.count().result()
+
+    assert run(main, contexts=2) == ([0, 1, 2], 3)
+
+
+def test_coroutine_method_errors(run):
+    def main():
+        a = Async.create(RTools(), on=1)
+        return a.fails().exception(), a.sleeps().exception(), a.double(1).result()
+
+    err, sleep_err, after = run(main)
+    assert isinstance(err, KeyError) and "inside" in str(err)
+    assert isinstance(sleep_err, RuntimeError)
+    assert "can await only macroflow futures" in str(sleep_err)
+    assert after == 2  # the object goes on serving
+
+
+def test_rtf_in_a_coroutine_method(run):
+    def main():
+        gate = Gate.create(on=2)
+        a = Async.create(on=1)
+        early = a.answers_early(gate).result()
+        gate.open()
+        return early, a.count().result()
+
+    assert run(main) == ("early", 1)
+
+
+# -- awaiting futures from asyncio on the caller's side -----------------------------
+def test_await_futures_from_asyncio(transport):
+    async def amain():
+        a = Async.create(RTools(), on=1)
+        first = await a.double(5)
+        both = await asyncio.gather(a.double(1), RTools().mul(3, 4))
+        done = a.double(7)
+        done.result()
+        again = await done  # already here
+        try:
+            await a.fails()
+        except KeyError as e:
+            err = str(e)
+        return first, both, again, err
+
+    with mf.init(contexts=2, transport=transport):
+        assert asyncio.run(amain()) == (10, [2, 12], 14, "'inside'")
+
+
+def test_awaiting_lets_other_asyncio_tasks_run(transport):
+    # The gate opens only from another asyncio task: an await that blocked the
+    # event loop could never finish.
+    async def amain():
+        gate = Gate.create(on=1)
+        ticks = []
+
+        async def opener():
+            for i in range(5):
+                ticks.append(i)
+                await asyncio.sleep(0)
+            gate.open()
+
+        task = asyncio.create_task(opener())
+        got = await gate.wait("through")
+        await task
+        return got, ticks
+
+    with mf.init(contexts=2, transport=transport):
+        assert asyncio.run(amain()) == ("through", [0, 1, 2, 3, 4])
+
+
+def test_awaiting_serves_calls_placed_on_context_0(transport):
+    async def amain():
+        local = RTools.create(on=0)  # runs only when context 0's engine is driven
+        return await asyncio.gather(*[local.mul(i, i) for i in range(4)])
+
+    with mf.init(contexts=2, transport=transport):
+        assert asyncio.run(amain()) == [0, 1, 4, 9]
+
+
+def test_cancelled_await_leaves_the_future_usable(transport):
+    async def amain():
+        gate = Gate.create(on=1)
+        f = gate.wait("later")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(f, timeout=0.05)
+        gate.open()
+        return await f
+
+    with mf.init(contexts=2, transport=transport):
+        assert asyncio.run(amain()) == "later"

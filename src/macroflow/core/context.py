@@ -42,7 +42,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import errors, marshal
-from .future import FINISHED, PENDING, Future, site_label, stale_future
+from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, site_label, stale_future
 from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
@@ -730,6 +730,8 @@ class Engine:
         try:
             args, kwargs = self._args(call)
             value = fn(*pre, *args, **kwargs)
+            if type(value) is CoroutineType:  # an async def method: run it here
+                value = run_coroutine(value)
         except BaseException as e:
             self.stats.calls_executed += 1
             self._finish(call, False, e)
