@@ -73,7 +73,7 @@ class Matrix:
     def multiply(self, other):
         b = other.to_numpy()  # a future: B, assembled where its blocks send their rows
         products = [blk.times(b) for blk in self.blocks]  # k products in parallel
-        blocks = [Block.create(p, on=blk.context) for p, blk in zip(products, self.blocks)]
+        blocks = [Block.create(p, on=mf.info(blk).context) for p, blk in zip(products, self.blocks)]
         return Matrix.create(blocks, other.columns())  # a future as an argument: an arc
 
     def to_numpy(self):
@@ -90,7 +90,7 @@ class Matrix:
 
     def __mf_destroy__(self):
         for blk in self.blocks:
-            blk.destroy()
+            mf.destroy(blk)
 
 
 def distribute(a: np.ndarray, k: int) -> Matrix:
@@ -144,7 +144,7 @@ def main() -> None:
     print(f"C fetched to main       {t_fetch:7.3f} s   speedup {t_serial / t_fetch:.2f}x")
 
     for m in (A, B, C):
-        m.destroy()
+        mf.destroy(m)
     stats = mf.stats()
     print("context  calls executed  MB received  MB sent")
     for ctx in sorted(stats):

@@ -170,7 +170,7 @@ def test_an_internal_error_ends_the_context_and_is_reported_with_its_traceback(m
         direct = gate.wait()
         mf.wait([gate.pid()])
         t = time.monotonic()
-        mf.rsr(gate.gptr if hasattr(gate, "gptr") else mf.info(gate).gptr, _noop)
+        mf.rsr(mf.info(gate).gptr, _noop)
         errs = []
         for f in (direct, waiting):
             with pytest.raises(mf.ContextLost) as e:
@@ -228,7 +228,7 @@ def test_destroyed_objects_leave_the_table_and_memory_stays_flat():
         rss = []
         for _ in range(7):
             cells = [Cell.create(i, on=1) for i in range(4000)]
-            mf.gather([c.destroy() for c in cells])
+            mf.gather([mf.destroy(c) for c in cells])
             del cells
             st = mf.stats()[1]
             assert st["objects"] == 0, st
@@ -246,13 +246,13 @@ def test_calls_to_a_destroyed_object_fail_at_once_even_long_after(run):
     def main():
         first = Cell.create(7, on=1)
         assert first.get().result() == 7
-        first.destroy().result()
+        mf.destroy(first).result()
         with pytest.raises(mf.ObjectDestroyed, match="Cell .* was destroyed; get"):
             first.get().result(timeout=10)
         with pytest.raises(mf.ObjectDestroyed, match="already destroyed"):
-            first.destroy().result(timeout=10)
+            mf.destroy(first).result(timeout=10)
         # enough other objects come and go that the first one is long forgotten
-        mf.gather([c.destroy() for c in [Cell.create(on=1) for _ in range(4200)]])
+        mf.gather([mf.destroy(c) for c in [Cell.create(on=1) for _ in range(4200)]])
         with pytest.raises(mf.ObjectDestroyed, match="no object .* never created here"):
             first.get().result(timeout=10)
         return mf.stats()[1]["objects"]
@@ -274,7 +274,7 @@ def test_an_object_whose_constructor_failed_can_be_destroyed(run):
         b = Broken.create(on=1)
         with pytest.raises(mf.ObjectDestroyed, match="could not be created.*ValueError: no"):
             b.get().result(timeout=10)
-        b.destroy().result(timeout=10)
+        mf.destroy(b).result(timeout=10)
         return mf.stats()[1]["objects"]
 
     assert run(main, contexts=2) == 0

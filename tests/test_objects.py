@@ -406,7 +406,7 @@ def test_message_count_of_a_sync_call():
     # to be used strictly (the value comes back unasked).
     def main():
         t = Tally.create(on=1)
-        t.created.result()
+        mf.info(t).created.result()
         counts = []
         for i in range(4):
             s0, r0 = _ctx0_counts()
@@ -425,7 +425,7 @@ def test_message_count_of_a_dataflow_arc():
     def main():
         producer = Tally.create(on=1)
         consumer = Tally.create(on=2)
-        mf.wait([producer.created, consumer.created])
+        mf.wait([mf.info(producer).created, mf.info(consumer).created])
         base = mf.stats()
         s0, r0 = _ctx0_counts()
         f = consumer.absorb(producer.seven())
@@ -444,7 +444,7 @@ def test_destroy(run):
     def main():
         b = Box.create(on=1)
         b.put(1)
-        b.destroy().result()
+        mf.destroy(b).result()
         return b.get_all().exception()
 
     err = run(main)
@@ -464,7 +464,7 @@ class Broken:
 def test_constructor_failure(run):
     def main():
         b = Broken.create()
-        return b.created.exception(), b.ping().exception()
+        return mf.info(b).created.exception(), b.ping().exception()
 
     ctor_err, call_err = run(main)
     assert isinstance(ctor_err, RuntimeError)

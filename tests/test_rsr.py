@@ -66,8 +66,8 @@ class Wrap:
 def test_rsr_inline_runs_handler_on_target(run):
     def main():
         box = Mailbox.create(on=1)
-        mf.rsr(box.gptr, deposit, "a")
-        mf.rsr(box.gptr, deposit, "b")
+        mf.rsr(mf.info(box).gptr, deposit, "a")
+        mf.rsr(mf.info(box).gptr, deposit, "b")
         return box.when_two().result()
 
     assert run(main, contexts=2) == [("a", 1), ("b", 1)]
@@ -77,8 +77,8 @@ def test_rsr_new_thread_may_wait(run):
     def main():
         box = Mailbox.create(on=1)
         f = Slow.create(on=0).value(99)
-        mf.rsr(box.gptr, deposit_after_wait, Wrap(f), thread="new")
-        mf.rsr(box.gptr, deposit, "x")
+        mf.rsr(mf.info(box).gptr, deposit_after_wait, Wrap(f), thread="new")
+        mf.rsr(mf.info(box).gptr, deposit, "x")
         return box.when_two().result()
 
     got = run(main, contexts=2)
@@ -99,7 +99,7 @@ def test_rsr_on_exported_buffer(run):
 def test_global_pointer_is_a_picklable_value(run):
     def main():
         box = Mailbox.create(on=1)
-        g = box.gptr
+        g = mf.info(box).gptr
         g2 = pickle.loads(pickle.dumps(g))
         return g == g2, hash(g) == hash(g2), g.protocol_names(), g.context
 
@@ -111,12 +111,12 @@ def test_rsr_bad_input(run):
     def main():
         box = Mailbox.create(on=1)
         with pytest.raises(ValueError, match="thread"):
-            mf.rsr(box.gptr, deposit, 1, thread="sometimes")
+            mf.rsr(mf.info(box).gptr, deposit, 1, thread="sometimes")
         with pytest.raises(TypeError, match="GlobalPointer"):
             mf.rsr("ctx1", deposit, 1)
         with pytest.raises(TypeError, match="callable"):
-            mf.rsr(box.gptr, 42)
-        wrong = mf.GlobalPointer(1, "object", box.oid, (("carrier-pigeon", "coop"),))
+            mf.rsr(mf.info(box).gptr, 42)
+        wrong = mf.GlobalPointer(1, "object", mf.info(box).id, (("carrier-pigeon", "coop"),))
         with pytest.raises(ValueError, match="reachable by"):
             mf.rsr(wrong, deposit, 1)
         return True
@@ -135,8 +135,8 @@ def test_inline_handler_cannot_wait(run):
     def main():
         box = Mailbox.create(on=1)
         f = Slow.create(on=0).value(1)
-        mf.rsr(box.gptr, _wait_inline, Wrap(f))
-        mf.rsr(box.gptr, deposit, "after")
+        mf.rsr(mf.info(box).gptr, _wait_inline, Wrap(f))
+        mf.rsr(mf.info(box).gptr, deposit, "after")
         return box.when_two().result()
 
     got = run(main, contexts=2)
@@ -161,7 +161,7 @@ class Sender:
     def send_then_ask(self, target, n):
         # from this context to the target's: the RSRs are served before the call
         for i in range(n):
-            mf.rsr(target.gptr, record, i)
+            mf.rsr(mf.info(target).gptr, record, i)
         return target.seen().result()
 
 
@@ -169,7 +169,7 @@ def test_call_after_rsrs_to_the_same_context_sees_them(run):
     def main():
         rec = Recorder.create(on=1)
         for i in range(5):
-            mf.rsr(rec.gptr, record, i)
+            mf.rsr(mf.info(rec).gptr, record, i)
         first = rec.seen().result()
         rec2 = Recorder.create(on=1)
         second = Sender.create(on=2).send_then_ask(rec2, 5).result()

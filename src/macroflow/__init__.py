@@ -16,6 +16,7 @@ from .core.errors import MacroflowError as MacroflowError
 from .core.errors import ObjectDestroyed as ObjectDestroyed
 from .core.errors import RemoteError as RemoteError
 from .core.errors import RemoteTraceback as RemoteTraceback
+from .core.errors import StaleReference as StaleReference
 from .core.errors import TimeoutError as TimeoutError
 from .core.future import Future as Future
 from .core.gptr import GlobalPointer as GlobalPointer
@@ -32,9 +33,12 @@ from .objects.dataflow import gather as gather
 from .objects.dataflow import num_contexts as num_contexts
 from .objects.dataflow import stats as stats
 from .objects.dataflow import wait as wait
+from .objects.persistent import HandleInfo as HandleInfo
 from .objects.persistent import PersistentHandle as PersistentHandle
 from .objects.persistent import RegularHandle as RegularHandle
+from .objects.persistent import destroy as destroy
 from .objects.persistent import guard as guard
+from .objects.persistent import info as info
 from .objects.persistent import persistent as persistent
 from .objects.persistent import regular as regular
 from .objects.persistent import rtf as rtf

@@ -39,7 +39,7 @@ Token management
                          the same call unguarded (interleaved, medians)
 Scheduling
   object instantiation   Cls.create(on=1) and its first call answered
-  object destruction     handle.destroy().result()
+  object destruction     mf.destroy(handle).result()
 Composites
   null RPC persistent    p.null(i).result() in a loop (p on context 1)
   pipelined persistent   1000 calls issued, then mf.gather; per call
@@ -421,13 +421,13 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
     out.update(_local_rows(cfg.local_iters))
 
     p = Echo.create(on=1)
-    p.created.result(30)
+    mf.info(p).created.result(30)
     p.null(0).result(30)
 
     # message transport: two RSRs bouncing between context 0 and 1
     box = [-1]
     g0 = mf.export(box)
-    g1 = p.gptr
+    g1 = mf.info(p).gptr
     drive = eng.driver.run_until
     rsr = mf.rsr
 
@@ -517,7 +517,7 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
         h = Echo.create(on=1)
         h.null(0).result()
         t1 = _ns()
-        h.destroy().result()
+        mf.destroy(h).result()
         t2 = _ns()
         inst.append(t1 - t0)
         dest.append(t2 - t1)

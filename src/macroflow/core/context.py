@@ -48,7 +48,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import errors, marshal
-from .future import FINISHED, PENDING, Future, site_label
+from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, site_label, stale_future
 from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
@@ -311,6 +311,8 @@ class Engine:
         try:
             data, bufs = _encode((CALL, fid, kind, target, method, args, kwargs, arcs, route,
                                   caller))
+        except errors.StaleReference:
+            raise  # a future of another computation inside the arguments: as it is
         except marshal.PICKLE_ERRORS as e:
             raise errors.CallError(
                 f"cannot send the arguments of {site_label(site) or method}: "
@@ -336,6 +338,8 @@ class Engine:
         def sub(x):
             t = type(x)
             if t is Future:
+                if x._engine.closed:
+                    raise stale_future(x)
                 if x._state == FINISHED and x._exc is None:
                     return x._value  # already here: pass the value itself
                 found[x._fid] = x
@@ -374,6 +378,8 @@ class Engine:
 
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
+        if f._engine.closed:
+            raise stale_future(f)
         if f._asked or f._state == FINISHED:
             return
         f._asked = True
@@ -843,6 +849,8 @@ class Engine:
         try:
             args, kwargs = self._args(call)
             value = fn(*pre, *args, **kwargs)
+            if type(value) is CoroutineType:  # an async def method: run it here
+                value = run_coroutine(value)
         except BaseException as e:
             self.stats.calls_executed += 1
             self._finish(call, False, e)

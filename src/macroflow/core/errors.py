@@ -117,3 +117,36 @@ class TimeoutError(MacroflowError, TimeoutError):  # noqa: A001 - deliberately a
         >>> issubclass(TimeoutError, builtins.TimeoutError)
         True
     """
+
+
+class StaleReference(MacroflowError, ValueError):
+    """A handle, future or global pointer used outside the computation that made it.
+
+    Each computation (one :func:`macroflow.run`, or one :func:`macroflow.init`
+    session) has an id, and every reference it hands out carries that id; the
+    contexts and objects it named are gone once it ends, and another
+    computation reuses their numbers for other things. ``computation`` is the
+    reference's computation, ``running`` the one running now (None if none).
+    Like using a closed file, it is a :class:`ValueError`.
+
+    Example:
+        >>> e = StaleReference("handle <Box 0.1 @ctx1>", "1a2b3c4d", None)
+        >>> print(e)
+        handle <Box 0.1 @ctx1> belongs to computation 1a2b3c4d, which has ended (no computation is running)
+        >>> e.running is None and isinstance(e, ValueError)
+        True
+    """
+
+    def __init__(self, what: str, computation: str, running: "str | None"):
+        super().__init__(what, computation, running)
+        self.what = what
+        self.computation = computation
+        self.running = running
+
+    def __str__(self) -> str:
+        if self.running is None:
+            return (f"{self.what} belongs to computation {self.computation}, which has ended "
+                    f"(no computation is running)")
+        return (f"{self.what} belongs to computation {self.computation}, not to the running "
+                f"computation {self.running}: handles, futures and global pointers are valid "
+                f"only in the computation that made them")

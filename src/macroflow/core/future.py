@@ -5,12 +5,24 @@ and a counter, Mentat's tag) and by its *home*, the context that will hold the
 value. Nothing is sent to the holder of a future until someone needs the value:
 passing the future to another call adds an arc (the home sends the value
 straight to the consumer); ``result()`` asks the home for a copy.
+
+A future belongs to the computation that made it (its engine's): waiting on
+it, passing it on or pickling it once that computation has ended raises
+:class:`macroflow.StaleReference`. It is awaitable: in asyncio code on the
+caller's side, ``await f`` lets the event loop run other tasks while this
+context's engine makes progress; in a coroutine method, ``await f`` waits as
+``f.result()`` does, parking only the method's lightweight thread.
 """
 
 from __future__ import annotations
 
+import time
+import types
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import errors
+from .threads import getcurrent
 
 PENDING, FINISHED = 0, 1
 
@@ -89,6 +101,8 @@ class Future:
         A remote exception keeps its type and message; the remote traceback is
         its ``__cause__``. ``timeout`` (seconds) raises
         :class:`macroflow.TimeoutError` without cancelling the call.
+        A future whose value is here keeps it after its computation ended;
+        one still waiting then raises :class:`macroflow.StaleReference`.
 
         Example:
             >>> import macroflow as mf
@@ -162,13 +176,11 @@ class Future:
             >>> import macroflow as mf
             >>> @mf.persistent
             ... class Acc:
-            ...     def __init__(self): self.total = 0
-            ...     def add(self, x): self.total += x; return self.total
-            >>> with mf.init(contexts=3, transport="inproc"):
-            ...     acc = Acc.create(on=2)
-            ...     f = acc.add(1)
-            ...     f.home, acc.context, f.result()
-            (2, 2, 1)
+            ...     def add(self, x): return x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     acc = Acc.create(on=1)
+            ...     acc.add(1).home == mf.info(acc).context
+            True
         """
         return self._home
 
@@ -192,11 +204,21 @@ class Future:
                 import traceback
                 traceback.print_exc()
 
+    def __await__(self):
+        if self._state != FINISHED and getattr(getcurrent(), "engine", None) is None:
+            # asyncio code on the caller's side: the event loop drives the engine
+            return (yield from _wait_async(self).__await__())
+        # done, or in a method's lightweight thread: park it as result() does
+        return self.result()
+
     def __reduce__(self):
+        eng = self._engine
+        if eng.closed:
+            raise stale_future(self)
         # A future that travels inside a value (not as an arc) may be asked for
         # by its new holder at any time, so its home must keep the value.
         self._escaped = True
-        return (_rebuild, (self._fid, self._home, self._target))
+        return (_rebuild, (self._fid, self._home, self._target, eng.computation))
 
     def __del__(self):
         eng = self._engine
@@ -237,9 +259,244 @@ def site_label(site: Any) -> str:
     return site if isinstance(site, str) else getattr(site, "label", "")
 
 
-def _rebuild(fid: FutureId, home: int, target: Any) -> Future:
+def _rebuild(fid: FutureId, home: int, target: Any, computation: str) -> Future:
     from .context import current_engine
+    running = running_computation()
+    if running != computation:
+        raise errors.StaleReference(f"future {fid[0]}.{fid[1]} @ctx{home}", computation, running)
     return current_engine().adopt_future(fid, home, target)
 
 
-__all__ = ["Future", "CallSite", "PENDING", "FINISHED"]
+# -- identity ------------------------------------------------------------------
+def running_computation() -> Optional[str]:
+    """The id of the computation running here, or None if none is.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc") as s:
+        ...     running_computation() == s.computation
+        True
+        >>> running_computation() is None
+        True
+    """
+    from .context import _state
+    eng = getattr(getcurrent(), "engine", None) or _state.current or _state.default
+    if eng is None or eng.closed:
+        return None
+    return eng.computation
+
+
+def current_engine_of(computation: Optional[str], label: str, ref: Any) -> Any:
+    """The running engine, if it belongs to ``computation``; else StaleReference.
+
+    ``label`` and ``ref`` name the reference in the error ("handle", the
+    handle). A ``computation`` of None belongs to none: any will do.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc") as s:
+        ...     current_engine_of(s.computation, "handle", None).id
+        0
+        >>> current_engine_of(s.computation, "handle", "h")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        macroflow.core.errors.StaleReference: handle 'h' belongs to computation ..., which has ended (no computation is running)
+    """
+    from .context import current_engine
+    try:
+        eng = current_engine()
+    except RuntimeError:
+        if computation is not None and running_computation() is None:
+            raise errors.StaleReference(f"{label} {ref!r}", computation, None) from None
+        raise
+    if computation is not None and eng.computation != computation:
+        raise errors.StaleReference(f"{label} {ref!r}", computation, eng.computation)
+    return eng
+
+
+def stale_future(f: Future) -> errors.StaleReference:
+    """The error for using ``f`` outside its computation (see StaleReference).
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.regular
+        ... class M:
+        ...     def one(self): return 1
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     f = M.create(on=1).one()
+        >>> type(stale_future(f)).__name__
+        'StaleReference'
+    """
+    return errors.StaleReference(f"future {f!r}", f._engine.computation, running_computation())
+
+
+# -- coroutine methods -----------------------------------------------------------
+CoroutineType = types.CoroutineType
+
+
+def run_coroutine(coro: Any) -> Any:
+    """Run a coroutine method to its end in the calling lightweight thread.
+
+    ``await`` on a :class:`Future` inside it waits as ``result()`` does (the
+    thread parks, the context serves others meanwhile), so the coroutine
+    never yields to a driver. Awaiting something that needs an event loop
+    (``asyncio.sleep``, an asyncio future) raises RuntimeError at that await:
+    a context runs no event loop.
+
+    Example:
+        >>> async def add(a, b):
+        ...     return a + b
+        >>> run_coroutine(add(2, 3))
+        5
+    """
+    try:
+        yielded = coro.send(None)
+    except StopIteration as e:
+        return e.value
+    err = RuntimeError(
+        f"a coroutine method can await only macroflow futures (and coroutines that await "
+        f"them): it awaited something that needs an event loop (it yielded {yielded!r}), "
+        f"and a context runs none; call asyncio code from the caller's side instead")
+    try:
+        coro.throw(err)
+    except StopIteration as e:
+        return e.value
+    coro.close()  # it caught the error and awaited again
+    raise err
+
+
+# -- awaiting from asyncio -------------------------------------------------------
+POLL_S = 0.001  # inproc has no descriptor to watch: idle engines are polled this often
+
+
+async def _wait_async(f: Future) -> Any:
+    import asyncio
+    eng = f._engine
+    eng.request_value(f)  # asks once; raises StaleReference for an ended computation
+    if f._state != FINISHED:
+        if getcurrent() is not eng.root:
+            raise RuntimeError("a macroflow future can be awaited from asyncio only in the "
+                               "thread that started the computation")
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_f: Future) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        f._callbacks.append(wake)
+        driver = _driver(eng, loop)
+        driver.acquire(waiter)
+        try:
+            await waiter
+        finally:
+            driver.release(waiter)
+            if wake in f._callbacks:  # cancelled before the value came
+                f._callbacks.remove(wake)
+    return f.result()
+
+
+_drivers: "weakref.WeakKeyDictionary[Any, LoopDriver]" = weakref.WeakKeyDictionary()
+
+
+def _driver(eng: Any, loop: Any) -> "LoopDriver":
+    d = _drivers.get(loop)
+    if d is None or d.engine is not eng:
+        d = _drivers[loop] = LoopDriver(eng, loop)
+    return d
+
+
+class LoopDriver:
+    """Makes a context's engine progress from an asyncio event loop.
+
+    Active while some task awaits a :class:`Future`. Each turn steps the
+    engine without blocking (``local``: the engines of the whole in-process
+    world for ``inproc``), then schedules the next turn: at once while there
+    is work queued, at the next engine timer, and otherwise when the
+    transport's epoll descriptor becomes readable (``local``, through
+    ``loop.add_reader``) or after :data:`POLL_S` (``inproc``, which has no
+    descriptor: its other contexts only run when stepped). Every new await
+    also schedules a turn, so calls issued since the last one are served.
+
+    Example:
+        >>> import asyncio, macroflow as mf
+        >>> @mf.regular
+        ... class M:
+        ...     def sq(self, x): return x * x
+        >>> async def amain():
+        ...     return await M.create(on=1).sq(7)
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     asyncio.run(amain())
+        49
+    """
+
+    def __init__(self, engine: Any, loop: Any):
+        self.engine = engine
+        self.loop = loop
+        world = engine.driver
+        self.engines = list(world.engines) if world is not engine else [engine]
+        ep = getattr(engine.transport, "ep", None) if world is engine else None
+        self.fd: Optional[int] = ep.fileno() if ep is not None else None
+        self.waiters: List[Any] = []
+        self.reading = False
+        self.next: Any = None  # the scheduled turn
+        self.next_soon = False
+
+    def acquire(self, waiter: Any) -> None:
+        self.waiters.append(waiter)
+        if self.fd is not None and not self.reading:
+            self.loop.add_reader(self.fd, self.turn)
+            self.reading = True
+        self._schedule(0.0)
+
+    def release(self, waiter: Any) -> None:
+        self.waiters.remove(waiter)
+        if not self.waiters:
+            if self.reading:
+                self.loop.remove_reader(self.fd)
+                self.reading = False
+            if self.next is not None:
+                self.next.cancel()
+                self.next = None
+
+    def _schedule(self, delay: float) -> None:
+        if self.next is not None:
+            if self.next_soon or delay > 0.0:
+                return  # a turn that comes as soon or sooner is already scheduled
+            self.next.cancel()
+        self.next_soon = delay <= 0.0
+        if self.next_soon:
+            self.next = self.loop.call_soon(self.turn)
+        else:
+            self.next = self.loop.call_later(delay, self.turn)
+
+    def turn(self) -> None:
+        if self.next is not None:
+            self.next.cancel()
+            self.next = None
+        if not self.waiters:
+            return
+        try:
+            for eng in self.engines:
+                eng.step(0)
+        except Exception as e:  # the waiting tasks get it rather than the loop's log
+            for w in self.waiters:
+                if not w.done():
+                    w.set_exception(e)
+            return
+        if not self.waiters:
+            return
+        if any(eng.busy() for eng in self.engines):
+            self._schedule(0.0)
+            return
+        delay = None if self.fd is not None else POLL_S
+        for eng in self.engines:
+            if eng.timers:
+                left = max(0.0, eng.timers[0][0] - time.monotonic())
+                delay = left if delay is None else min(delay, left)
+        if delay is not None:
+            self._schedule(delay)
+
+
+__all__ = ["Future", "CallSite", "PENDING", "FINISHED", "run_coroutine", "running_computation",
+           "current_engine_of", "stale_future"]

@@ -1,12 +1,15 @@
 """Global pointers: names of objects and buffers in a context, valid everywhere.
 
 A pointer carries the protocols its context can be reached by (Nexus's
-protocol descriptors), so a sender that speaks several picks one it shares.
+protocol descriptors), so a sender that speaks several picks one it shares,
+and the id of the computation it belongs to: contexts are numbered afresh in
+every computation, so a pointer kept from another one names nothing, and using
+it raises :class:`macroflow.StaleReference`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 
 class GlobalPointer:
@@ -18,27 +21,31 @@ class GlobalPointer:
             with :func:`macroflow.export`).
         ident: its id inside that context.
         protocols: (name, address) pairs that reach the context.
+        computation: the id of the computation it belongs to; only that
+            computation can use it (None: made by hand, not checked).
 
     Example:
-        >>> g = GlobalPointer(2, "export", (2, 7), (("local", "host:123"),))
-        >>> g.context, g.kind, g.protocol_names()
-        (2, 'export', ('local',))
+        >>> g = GlobalPointer(2, "export", (2, 7), (("local", "host:123"),), "1a2b3c4d")
+        >>> g.context, g.kind, g.protocol_names(), g.computation
+        (2, 'export', ('local',), '1a2b3c4d')
     """
 
-    __slots__ = ("context", "kind", "ident", "protocols")
+    __slots__ = ("context", "kind", "ident", "protocols", "computation")
 
-    def __init__(self, context: int, kind: str, ident: Any, protocols: Tuple[Tuple[str, str], ...] = ()):
+    def __init__(self, context: int, kind: str, ident: Any, protocols: Tuple[Tuple[str, str], ...] = (),
+                 computation: Optional[str] = None):
         self.context = context
         self.kind = kind
         self.ident = ident
         self.protocols = tuple(protocols)
+        self.computation = computation
 
     def protocol_names(self) -> Tuple[str, ...]:
         """The protocols that reach the pointer's context, best first.
 
         Example:
-            >>> GlobalPointer(1, "object", (0, 4), (("local", "host:1"),)).protocol_names()
-            ('local',)
+            >>> GlobalPointer(0, "export", (0, 1), (("local", "h:1"), ("tcp", "h:2"))).protocol_names()
+            ('local', 'tcp')
         """
         return tuple(p[0] for p in self.protocols)
 
@@ -53,11 +60,12 @@ class GlobalPointer:
         return (self.kind, self.ident)
 
     def __reduce__(self):
-        return (GlobalPointer, (self.context, self.kind, self.ident, self.protocols))
+        return (GlobalPointer, (self.context, self.kind, self.ident, self.protocols, self.computation))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, GlobalPointer) and other.context == self.context
-                and other.kind == self.kind and other.ident == self.ident)
+                and other.kind == self.kind and other.ident == self.ident
+                and other.computation == self.computation)
 
     def __hash__(self) -> int:
         return hash((self.context, self.kind, self.ident))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from . import errors, marshal
 from .context import RSR, current_engine
+from .future import current_engine_of
 from .gptr import GlobalPointer
 
 THREADS = ("inline", "new")
@@ -32,28 +33,22 @@ def export(obj: Any) -> GlobalPointer:
     eng = current_engine()
     ident = eng.new_fid()
     eng.exports[ident] = obj
-    return GlobalPointer(eng.id, "export", ident, protocols_of(eng, eng.id))
+    return GlobalPointer(eng.id, "export", ident, protocols_of(eng, eng.id), eng.computation)
 
 
 def unexport(gptr: GlobalPointer) -> None:
     """Forget an object registered with :func:`export` in this context.
 
     Raises:
-        ValueError: the pointer names an object in another context (only the
-            context that exported an object can forget it).
+        macroflow.StaleReference: ``gptr`` belongs to another computation.
 
     Example:
         >>> import macroflow as mf
-        >>> with mf.init(contexts=2, transport="inproc"):
-        ...     g = mf.export({"hits": 0})
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     g = mf.export([1, 2])
         ...     mf.unexport(g)
-        ...     try:
-        ...         mf.unexport(mf.GlobalPointer(1, "export", g.ident))
-        ...     except ValueError as e:
-        ...         print("refused:", str(e).split(" names ")[1])
-        refused: context 1, not this one (0)
     """
-    eng = current_engine()
+    eng = current_engine_of(gptr.computation, "global pointer", gptr)
     if gptr.context != eng.id:
         raise ValueError(f"{gptr!r} names context {gptr.context}, not this one ({eng.id})")
     eng.exports.pop(gptr.ident, None)
@@ -71,13 +66,14 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
     (send an RSR back, or call a persistent object, to answer).
 
     Args:
-        gptr: names the target (``handle.gptr`` or :func:`export`'s result).
+        gptr: names the target (``mf.info(handle).gptr`` or :func:`export`'s result).
         handler: a picklable function; ``obj`` is the object the pointer names.
         thread: "inline" runs it on the target's progress engine (it must not
             wait); "new" runs it in a new lightweight thread (it may wait).
 
     Raises:
         ValueError: unknown ``thread``, or no protocol shared with the target.
+        macroflow.StaleReference: ``gptr`` belongs to another computation.
         macroflow.CallError: the handler or the arguments cannot be pickled.
 
     Messages from one context to another are served in the order they were
@@ -94,8 +90,8 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         ...     box.items.append(x)
         >>> with mf.init(contexts=2, transport="inproc"):
         ...     b = Box.create(on=1)
-        ...     mf.rsr(b.gptr, put, 5)        # returns None at once
-        ...     mf.rsr(b.gptr, put, 6)
+        ...     mf.rsr(mf.info(b).gptr, put, 5)      # returns None at once
+        ...     mf.rsr(mf.info(b).gptr, put, 6)
         ...     b.contents().result()         # sent after the RSRs: served after them
         ...     mf.stats()[1]["rsr_executed"]
         [5, 6]
@@ -107,7 +103,7 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         raise TypeError(f"rsr() needs a GlobalPointer; got {type(gptr).__name__}")
     if not callable(handler):
         raise TypeError(f"rsr() handler must be callable; got {type(handler).__name__}")
-    eng = current_engine()
+    eng = current_engine_of(gptr.computation, "global pointer", gptr)
     mine = eng.transport.name if eng.transport is not None else "inproc"
     if gptr.protocols and mine not in gptr.protocol_names():
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "

@@ -16,7 +16,7 @@ from ..core.errors import CallError
 class MethodInfo:
     __slots__ = ("name", "label", "nmin", "nmax", "sig", "simple", "strict")
 
-    def __init__(self, cls: type, name: str, fn: Callable[..., Any]):
+    def __init__(self, cls: type, name: str, fn: Callable[..., Any], takes_self: bool = True):
         self.name = name
         self.label = f"{cls.__qualname__}.{name}"
         self.strict = 0  # see core.future.CallSite: a MethodInfo is a call site
@@ -24,10 +24,13 @@ class MethodInfo:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
             sig = None
+        if sig is not None and takes_self:
+            # the instance fills the first parameter: check the rest
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:])
         self.sig = sig
         self.nmin, self.nmax, self.simple = 0, None, False
         if sig is not None:
-            params = list(sig.parameters.values())[1:]  # drop self
+            params = list(sig.parameters.values())
             pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
             self.nmin = sum(1 for p in pos if p.default is p.empty)
             var = any(p.kind == p.VAR_POSITIONAL for p in params)
@@ -43,7 +46,7 @@ class MethodInfo:
             if n >= self.nmin and (self.nmax is None or n <= self.nmax):
                 return
         try:
-            self.sig.bind(None, *args, **kwargs)
+            self.sig.bind(*args, **kwargs)
         except TypeError as e:
             raise CallError(f"{self.label}(): {e}") from None
 
@@ -51,14 +54,21 @@ class MethodInfo:
 def method_info(cls: type, name: str) -> MethodInfo:
     """Look up (and cache) what a call to ``cls.name`` must look like.
 
+    Static and class methods are methods too: the instance (or the class)
+    is not among the arguments the caller gives.
+
     Raises:
         CallError: ``name`` is not a public method of ``cls``.
 
     Example:
         >>> class A:
         ...     def f(self, x, y=1): pass
-        >>> method_info(A, "f").nmin, method_info(A, "f").nmax
-        (1, 2)
+        ...     @staticmethod
+        ...     def g(x, y): pass
+        ...     @classmethod
+        ...     def h(cls, x): pass
+        >>> [(method_info(A, n).nmin, method_info(A, n).nmax) for n in "fgh"]
+        [(1, 2), (2, 2), (1, 1)]
     """
     cache: Optional[Dict[str, MethodInfo]] = cls.__dict__.get("__mf_methods__")
     if cache is None:
@@ -72,7 +82,12 @@ def method_info(cls: type, name: str) -> MethodInfo:
                             and n != "create")
             raise CallError(f"{cls.__qualname__} has no method {name!r}"
                             f" (methods: {', '.join(public) or 'none'})")
-        info = cache[name] = MethodInfo(cls, name, fn)
+        # a plain function gets the instance as its first argument; what
+        # getattr gives for a staticmethod or classmethod does not
+        raw = inspect.getattr_static(cls, name, None)
+        takes_self = not isinstance(raw, (staticmethod, classmethod)) and \
+            (inspect.isfunction(raw) or hasattr(type(raw), "__get__"))
+        info = cache[name] = MethodInfo(cls, name, fn, takes_self)
     return info
 
 

@@ -9,15 +9,23 @@ guarded with :func:`guard` is accepted only while its predicate holds.
 served by a different, new or reused, instance in any context, so calls run
 in parallel. Both kinds are ordinary classes underneath: the decorators add,
 they do not wrap, so instances still pickle by reference.
+
+A handle reserves no public name: every public attribute of a handle is a
+remote method of its class, whatever it is called. Destroying an object is
+:func:`destroy`, and what the runtime knows about a handle (its context, its
+global pointer...) is :func:`info`. The one name the decorators reserve is
+the class attribute ``create``.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from ..core.context import CREATE, DESTROY, PERSISTENT, REGULAR, current_engine
-from ..core.future import CallSite, Future
+from ..core.errors import StaleReference
+from ..core.future import CallSite, Future, current_engine_of, running_computation
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
@@ -53,15 +61,21 @@ class _RemoteMethod:
 
 
 class _Handle:
-    """What both kinds of handle share: ``handle.method`` is a remote method."""
+    """What both kinds of handle share: ``handle.name`` is the remote method ``name``.
 
-    cls: type
+    The handle's own state is kept under underscore names, which are never
+    remote methods (those are public), so no user method is shadowed.
+    """
+
+    _cls: type
+    _comp: Optional[str]  # the computation it belongs to
 
     def __getattr__(self, name: str) -> _RemoteMethod:
-        if name.startswith("__") or name == "cls":  # not set yet: no recursion
-            raise AttributeError(name)
+        if name.startswith("_"):  # not set yet, or private: never a remote method
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}; "
+                                 f"only public methods are called through a handle")
         # cached in the instance dict: later lookups do not come here
-        m = self.__dict__[name] = _RemoteMethod(self, method_info(self.cls, name))
+        m = self.__dict__[name] = _RemoteMethod(self, method_info(self._cls, name))
         return m
 
 
@@ -69,8 +83,10 @@ class PersistentHandle(_Handle):
     """A reference to one persistent object; calling a method returns a Future.
 
     Handles are values: pass them to other calls, return them from methods,
-    keep them in objects. ``context`` is where the object lives, ``gptr`` its
-    global pointer, ``created`` the future of its constructor.
+    keep them in objects. Every public attribute is a remote method; ask
+    :func:`info` where the object lives, and :func:`destroy` to end it. A
+    handle belongs to the computation that made the object: using it in
+    another raises :class:`macroflow.StaleReference`.
 
     Example:
         >>> import macroflow as mf
@@ -85,73 +101,36 @@ class PersistentHandle(_Handle):
         2
     """
 
-    def __init__(self, cls: type, oid: Any, context: int, created: Optional[Future] = None):
-        self.cls = cls
-        self.oid = oid
-        self.context = context
-        self.created = created
+    def __init__(self, cls: type, oid: Any, context: int, computation: Optional[str],
+                 created: Optional[Future] = None):
+        self._cls = cls
+        self._oid = oid
+        self._ctx = context
+        self._comp = computation
+        self._created = created
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
-        eng = current_engine()
-        return eng.issue(PERSISTENT, (self.oid,), info.name, args, kwargs, self.context,
-                         site=info, oid=self.oid)
-
-    def destroy(self) -> Future:
-        """Destroy the object after the calls already sent to it; returns a Future.
-
-        Later calls fail with :class:`macroflow.ObjectDestroyed`. A method
-        named ``__mf_destroy__`` on the class, if any, runs last.
-
-        Example:
-            >>> import macroflow as mf
-            >>> @mf.persistent
-            ... class Acc:
-            ...     def __init__(self): self.total = 0
-            ...     def add(self, x): self.total += x; return self.total
-            >>> with mf.init(contexts=2, transport="inproc"):
-            ...     acc = Acc.create()
-            ...     first = acc.add(1)               # sent before destroy: it runs
-            ...     acc.destroy().result()
-            ...     first.result()
-            ...     try:
-            ...         acc.add(2).result()
-            ...     except mf.ObjectDestroyed:
-            ...         print("destroyed")
-            1
-            destroyed
-        """
-        eng = current_engine()
-        return eng.issue(PERSISTENT, (self.oid,), DESTROY, (), {}, self.context,
-                         site=CallSite(f"{self.cls.__qualname__}.destroy"), oid=self.oid)
-
-    @property
-    def gptr(self) -> GlobalPointer:
-        """The object's global pointer, for :func:`macroflow.rsr`.
-
-        Example:
-            >>> import macroflow as mf
-            >>> @mf.persistent
-            ... class Box:
-            ...     pass
-            >>> with mf.init(contexts=2, transport="inproc"):
-            ...     b = Box.create(on=1)
-            ...     b.gptr.context, b.gptr.kind, b.gptr == b.gptr
-            (1, 'object', True)
-        """
-        return GlobalPointer(self.context, "object", self.oid,
-                             protocols_of(current_engine(), self.context))
+        try:
+            eng = current_engine()
+        except RuntimeError:
+            eng = None
+        if eng is None or eng.computation != self._comp:
+            eng = current_engine_of(self._comp, "handle", self)  # raises the right error
+        return eng.issue(PERSISTENT, (self._oid,), info.name, args, kwargs, self._ctx,
+                         site=info, oid=self._oid)
 
     def __reduce__(self):
-        return (PersistentHandle, (self.cls, self.oid, self.context))
+        return (PersistentHandle, (self._cls, self._oid, self._ctx, self._comp))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PersistentHandle) and other.oid == self.oid
+        return (isinstance(other, PersistentHandle) and other._oid == self._oid
+                and other._comp == self._comp)
 
     def __hash__(self) -> int:
-        return hash(self.oid)
+        return hash(self._oid)
 
     def __repr__(self) -> str:
-        return f"<{self.cls.__qualname__} {self.oid[0]}.{self.oid[1]} @ctx{self.context}>"
+        return f"<{self._cls.__qualname__} {self._oid[0]}.{self._oid[1]} @ctx{self._ctx}>"
 
 
 class RegularHandle(_Handle):
@@ -159,7 +138,9 @@ class RegularHandle(_Handle):
 
     Each call is placed by the instantiation managers (or on the context given
     to ``Cls.create(on=...)``) and served by an idle instance there, made with
-    the constructor arguments the handle carries.
+    the constructor arguments the handle carries. A handle made while a
+    computation runs belongs to it; ``Cls(...)`` made when none runs names no
+    context and may be used in any.
 
     Example:
         >>> import macroflow as mf
@@ -172,27 +153,137 @@ class RegularHandle(_Handle):
         6
     """
 
-    def __init__(self, cls: type, args: tuple = (), kwargs: Optional[dict] = None, on: Optional[int] = None):
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs or {}
-        self.on = on
+    def __init__(self, cls: type, args: tuple = (), kwargs: Optional[dict] = None,
+                 on: Optional[int] = None, computation: Optional[str] = None):
+        self._cls = cls
+        self._args = args
+        self._kwargs = kwargs or {}
+        self._on = on
+        self._comp = computation
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
-        eng = current_engine()
-        if self.on is not None:
-            dest, pinned = self.on, True
+        try:
+            eng = current_engine()
+        except RuntimeError:
+            eng = None
+        if eng is None or (eng.computation != self._comp and self._comp is not None):
+            eng = current_engine_of(self._comp, "handle", self)  # raises the right error
+        if self._on is not None:
+            dest, pinned = self._on, True
         else:
             dest, pinned = eng.placement.place_call(eng), False
-        return eng.issue(REGULAR, (self.cls, self.args, self.kwargs), info.name, args, kwargs,
+        return eng.issue(REGULAR, (self._cls, self._args, self._kwargs), info.name, args, kwargs,
                          dest, site=info, pinned=pinned)
 
     def __reduce__(self):
-        return (RegularHandle, (self.cls, self.args, self.kwargs, self.on))
+        return (RegularHandle, (self._cls, self._args, self._kwargs, self._on, self._comp))
 
     def __repr__(self) -> str:
-        where = f" @ctx{self.on}" if self.on is not None else ""
-        return f"<regular {self.cls.__qualname__}{where}>"
+        where = f" @ctx{self._on}" if self._on is not None else ""
+        return f"<regular {self._cls.__qualname__}{where}>"
+
+
+@dataclass(frozen=True)
+class HandleInfo:
+    """What the runtime knows about a handle; returned by :func:`info`.
+
+    Attributes:
+        kind: "persistent" or "regular".
+        cls: the class.
+        context: where a persistent object lives; for a regular handle, the
+            context every call runs on (``create(on=N)``), or None.
+        id: a persistent object's id (unique in its computation), else None.
+        created: the future of the constructor, on the handle that
+            ``create()`` returned (None on copies passed around, and for
+            regular handles).
+        gptr: a persistent object's :class:`macroflow.GlobalPointer`, else None.
+        computation: the id of the computation the handle belongs to (None
+            for a regular handle made when no computation ran).
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.regular
+        ... class Math:
+        ...     def add(self, a, b): return a + b
+        >>> i = mf.info(Math())
+        >>> i.kind, i.cls is Math, i.context, i.gptr
+        ('regular', True, None, None)
+    """
+
+    kind: str
+    cls: type
+    context: Optional[int]
+    id: Optional[Tuple[int, int]]
+    created: Optional[Future]
+    gptr: Optional[GlobalPointer]
+    computation: Optional[str]
+
+
+def info(handle: Any) -> HandleInfo:
+    """What the runtime knows about ``handle``: a frozen :class:`HandleInfo`.
+
+    Raises:
+        TypeError: ``handle`` is not a handle.
+        macroflow.StaleReference: it belongs to another computation.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.persistent
+        ... class Box:
+        ...     def put(self, x): return x
+        >>> with mf.init(contexts=3, transport="inproc"):
+        ...     b = Box.create(on=2)
+        ...     i = mf.info(b)
+        ...     i.kind, i.cls is Box, i.context, i.gptr.context, i.created.result()
+        ('persistent', True, 2, 2, None)
+    """
+    if isinstance(handle, PersistentHandle):
+        eng = current_engine_of(handle._comp, "handle", handle)
+        gptr = GlobalPointer(handle._ctx, "object", handle._oid, protocols_of(eng, handle._ctx),
+                             handle._comp)
+        return HandleInfo("persistent", handle._cls, handle._ctx, handle._oid, handle._created,
+                          gptr, handle._comp)
+    if isinstance(handle, RegularHandle):
+        comp = handle._comp
+        if comp is not None:
+            running = running_computation()
+            if running != comp:
+                raise StaleReference(f"handle {handle!r}", comp, running)
+        return HandleInfo("regular", handle._cls, handle._on, None, None, None, comp)
+    raise TypeError(f"mf.info() takes a handle (from Cls.create() or a @mf.regular Cls()); "
+                    f"got {type(handle).__name__}")
+
+
+def destroy(handle: Any) -> Future:
+    """Destroy a persistent object after the calls already sent to it; returns a Future.
+
+    Later calls fail with :class:`macroflow.ObjectDestroyed`. A method named
+    ``__mf_destroy__`` on the class, if any, runs last.
+
+    Raises:
+        TypeError: ``handle`` is not the handle of a persistent object.
+        macroflow.StaleReference: it belongs to another computation.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.persistent
+        ... class Box:
+        ...     def put(self, x): return x
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     b = Box.create()
+        ...     mf.destroy(b).result()
+        ...     type(b.put(1).exception()).__name__
+        'ObjectDestroyed'
+    """
+    if not isinstance(handle, PersistentHandle):
+        if isinstance(handle, RegularHandle):
+            raise TypeError(f"mf.destroy() ends a persistent object; {handle!r} is a handle to a "
+                            f"regular class, whose instances the runtime makes and reuses itself")
+        raise TypeError(f"mf.destroy() takes the handle of a persistent object; "
+                        f"got {type(handle).__name__}")
+    eng = current_engine_of(handle._comp, "handle", handle)
+    return eng.issue(PERSISTENT, (handle._oid,), DESTROY, (), {}, handle._ctx,
+                     site=CallSite(f"{handle._cls.__qualname__}.destroy"), oid=handle._oid)
 
 
 def _create_persistent(cls: type, *args: Any, on: Optional[int] = None, **kwargs: Any) -> PersistentHandle:
@@ -202,13 +293,18 @@ def _create_persistent(cls: type, *args: Any, on: Optional[int] = None, **kwargs
     oid = eng.new_fid()
     fut = eng.issue(CREATE, (oid, cls), None, args, kwargs, dest,
                     site=CallSite(f"{cls.__qualname__}.create"), fid=oid)
-    return PersistentHandle(cls, oid, dest, fut)
+    return PersistentHandle(cls, oid, dest, eng.computation, fut)
 
 
 def _create_regular(cls: type, *args: Any, on: Optional[int] = None, **kwargs: Any) -> RegularHandle:
     eng = current_engine()
     constructor_info(cls).check(args, kwargs)
-    return RegularHandle(cls, args, kwargs, None if on is None else _check_on(eng, on))
+    return RegularHandle(cls, args, kwargs, None if on is None else _check_on(eng, on), eng.computation)
+
+
+#: Names a decorated class may not define, and why. Handles reserve no name.
+RESERVED = {"create": "Cls.create(...) is how objects of the class are made"}
+_CREATORS = (_create_persistent, _create_regular)
 
 
 def _check_class(cls: Any, what: str) -> None:
@@ -216,8 +312,13 @@ def _check_class(cls: Any, what: str) -> None:
         raise TypeError(f"@mf.{what} decorates a class; got {type(cls).__name__}")
     if getattr(cls, "__mf_kind__", None) not in (None, what):
         raise TypeError(f"{cls.__qualname__} is already @{cls.__mf_kind__}")
-    if "create" in cls.__dict__:
-        raise TypeError(f"{cls.__qualname__} defines 'create', which @mf.{what} needs for itself")
+    for name, why in RESERVED.items():
+        for klass in cls.__mro__[:-1]:
+            found = klass.__dict__.get(name)
+            if found is not None and getattr(found, "__func__", None) not in _CREATORS:
+                where = "" if klass is cls else f" (inherited from {klass.__qualname__})"
+                raise TypeError(f"{cls.__qualname__} defines {name!r}{where}, a name @mf.{what} "
+                                f"reserves: {why}; rename it")
 
 
 def persistent(cls: T) -> T:
@@ -245,7 +346,7 @@ def persistent(cls: T) -> T:
 
 def _regular_new(klass: type, *args: Any, **kwargs: Any) -> RegularHandle:
     constructor_info(klass).check(args, kwargs)
-    return RegularHandle(klass, args, kwargs)
+    return RegularHandle(klass, args, kwargs, None, running_computation())
 
 
 def regular(cls: T) -> T:
@@ -306,8 +407,11 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
         takes_args = False
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.__mf_guard__ = predicate  # type: ignore[attr-defined]
-        fn.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
+        # on the function itself: the object finds it through getattr(cls, name),
+        # which unwraps a staticmethod or classmethod put around the guard
+        target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+        target.__mf_guard__ = predicate  # type: ignore[attr-defined]
+        target.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
         return fn
 
     return deco
