@@ -278,3 +278,28 @@ def test_an_object_whose_constructor_failed_can_be_destroyed(run):
         return mf.stats()[1]["objects"]
 
     assert run(main, contexts=2) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_call_to_an_object_id_that_never_existed_fails_and_never_waits(run):
+    from macroflow.objects.persistent import PersistentHandle
+
+    def main():
+        real = Cell.create(5, on=1)
+        assert real.get().result() == 5
+        i = mf.info(real)
+        # an id its creator used before, but never for an object on context 1
+        ghost = PersistentHandle(Cell, (i.id[0], i.id[1] - 1), 1, i.computation)
+        with pytest.raises(mf.ObjectDestroyed, match="no object 0.* never created here"):
+            ghost.get().result(timeout=10)
+        # an id its creator has not reached yet: the call waits for the
+        # constructor until later calls from the creator show it is not coming
+        ahead = PersistentHandle(Cell, (i.id[0], i.id[1] + 20), 1, i.computation)
+        f = ahead.get()
+        assert not mf.wait([f], timeout=0.05)[0]
+        mf.gather([real.get() for _ in range(25)])
+        with pytest.raises(mf.ObjectDestroyed, match="never created here"):
+            f.result(timeout=10)
+        return mf.stats()[1]["objects"]
+
+    assert run(main, contexts=2) == 1

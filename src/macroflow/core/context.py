@@ -877,20 +877,23 @@ class Engine:
 
     # ------------------------------------------------------------------ results
     def _pickle_value(self, ok: bool, value: Any):
-        if not ok:
-            value = _portable_exception(value, self.id)
+        if ok:
+            try:
+                data, bufs = _encode(value)
+                return True, data, bufs
+            except marshal.PICKLE_ERRORS as e:
+                value = errors.CallError(
+                    f"the result ({type(value).__name__}) could not be pickled: {e}")
+        value = _portable_exception(value, self.id)
         try:
             data, bufs = _encode(value)
-        except marshal.PICKLE_ERRORS as e:
-            if ok:
-                err = errors.CallError(f"the result ({type(value).__name__}) could not be pickled: {e}")
-            else:
-                err = errors.RemoteError(f"{type(value).__module__}.{type(value).__qualname__}",
-                                         str(value))
-                err.__cause__ = errors.RemoteTraceback(getattr(value, "__mf_tb__", ""))
-            data, bufs = marshal.dumps(_portable_exception(err, self.id))
-            ok = False
-        return ok, data, bufs
+            # Exceptions are rare and many pickle but cannot be rebuilt (a
+            # constructor with other arguments than it gives Exception): try
+            # here, where the type and the message are still known.
+            marshal.loads(data, bufs)
+        except Exception:
+            data, bufs = marshal.dumps(_stand_in(value))
+        return False, data, bufs
 
     def send_error(self, dest: int, label, exc: BaseException) -> None:
         self.send_value(dest, label, *self._pickle_value(False, exc))
@@ -1341,6 +1344,19 @@ def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
         except Exception:
             pass
     return exc
+
+
+def _stand_in(exc: BaseException) -> errors.RemoteError:
+    """A RemoteError that says what ``exc`` was, for an exception that cannot
+    travel as itself; its remote traceback is the original's."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = object.__repr__(exc)
+    t = type(exc)
+    err = errors.RemoteError(f"{t.__module__}.{t.__qualname__}", message)
+    err.__mf_tb__ = getattr(exc, "__mf_tb__", "")
+    return err
 
 
 def _restore_exception(exc: Any) -> BaseException:
