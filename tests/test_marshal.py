@@ -94,3 +94,75 @@ def test_values_sent_by_value_are_not_kept_alive():
     gc.collect()
     assert all(r() is None for r in refs)
     assert len(marshal._loaded_cache) <= marshal._LOADED_MAX
+
+
+# -- futures inside containers are arcs, whatever the container --------------
+import collections  # noqa: E402
+
+import pytest  # noqa: E402
+
+import macroflow as mf  # noqa: E402
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Bag(list):
+    pass
+
+
+class Table(dict):
+    pass
+
+
+@mf.regular
+class Adder:
+    def num(self, x):
+        return x
+
+    def total(self, box):
+        def flat(x):
+            if isinstance(x, dict):
+                x = x.values()
+            if isinstance(x, (list, tuple, set, frozenset, type({}.values()))):
+                return sum(flat(v) for v in x)
+            return x
+        return type(box).__name__, flat(box)
+
+
+@pytest.mark.timeout(60)
+def test_futures_inside_namedtuples_subclasses_and_sets_are_arcs(run):
+    def main():
+        a = Adder.create(on=1)
+        n = a.num
+        boxes = [Point(n(1), n(2)), Bag([n(3), n(4)]), Table(a=n(5), b=n(6)),
+                 collections.OrderedDict(a=n(7)), collections.defaultdict(int, a=n(8)),
+                 {n(9), n(10)}, frozenset([n(11)]), [[(n(12),)]]]
+        return mf.gather([a.total(b) for b in boxes])
+
+    got = run(main, contexts=2)
+    assert got == [("Point", 3), ("Bag", 7), ("Table", 11), ("OrderedDict", 7),
+                   ("defaultdict", 8), ("set", 19), ("frozenset", 11), ("list", 12)]
+
+
+@mf.regular
+class Echo:
+    def length(self, x, *rest):
+        return len(x)
+
+
+@pytest.mark.timeout(60)
+def test_a_container_that_holds_itself_can_be_an_argument(run):
+    def main():
+        e = Echo.create(on=1)
+        cyc = [1, 2]
+        cyc.append(cyc)
+        plain = e.length(cyc).result()
+        with_arc = e.length(cyc, e.length([0])).result()  # searched while arcs are made
+        deep = [e.length([1])]
+        for _ in range(200):
+            deep = [deep]
+        with pytest.raises(mf.CallError, match="more than 50 containers deep"):
+            e.length(deep)
+        return plain, with_arc
+
+    assert run(main, contexts=2) == (3, 3)

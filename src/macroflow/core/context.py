@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import copy
 import heapq
 import itertools
 import os
@@ -335,25 +336,16 @@ class Engine:
     def _make_arcs(self, args, kwargs, fid, dest):
         found: Dict[Any, Future] = {}
 
-        def sub(x):
-            t = type(x)
-            if t is Future:
-                if x._engine.closed:
-                    raise stale_future(x)
-                if x._state == FINISHED and x._exc is None:
-                    return x._value  # already here: pass the value itself
-                found[x._fid] = x
-                return Arc(x._fid)
-            if t is list:
-                return [sub(v) for v in x] if _has_future(x) else x
-            if t is tuple:
-                return tuple(sub(v) for v in x) if _has_future(x) else x
-            if t is dict:
-                return {k: sub(v) for k, v in x.items()} if _has_future(x.values()) else x
-            return x
+        def arc(x):
+            if x._engine.closed:
+                raise stale_future(x)
+            if x._state == FINISHED and x._exc is None:
+                return x._value  # already here: pass the value itself
+            found[x._fid] = x
+            return Arc(x._fid)
 
-        args = tuple(sub(a) for a in args)
-        kwargs = {k: sub(v) for k, v in kwargs.items()}
+        args = _replace(args, Future, arc)
+        kwargs = _replace(kwargs, Future, arc)
         arcs = []
         for afid, f in found.items():
             if f._state == FINISHED:  # finished with an exception: send it as a token
@@ -1286,34 +1278,107 @@ def _raw(p) -> memoryview:
     return p.raw() if isinstance(p, pickle.PickleBuffer) else memoryview(p).cast("B")
 
 
-def _has_future(xs) -> bool:
+# Futures are searched for in arguments inside these containers, their
+# subclasses (namedtuples, OrderedDict, defaultdict, ...) included; other
+# objects travel as they are (a future inside one is pickled with it: escaped).
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_ATOMS = frozenset((int, float, str, bytes, bool, type(None), complex))
+_DEEP = 50  # nesting beyond this is searched without recursion (it may be a cycle)
+
+
+def _has_future(xs, depth: int = 0) -> bool:
     for x in xs:
         t = type(x)
         if t is Future:
             return True
+        if t in _ATOMS:
+            continue
         if t is list or t is tuple:
-            if _has_future(x):
-                return True
+            pass
         elif t is dict:
-            if _has_future(x.values()):
-                return True
+            x = x.values()
+        elif isinstance(x, _CONTAINERS):
+            x = x.values() if isinstance(x, dict) else x
+        else:
+            continue
+        if depth >= _DEEP:
+            return _holds_deep(x, Future)
+        if _has_future(x, depth + 1):
+            return True
     return False
 
 
-def _subst(x, call: Call, eng):
+def _holds_deep(xs, leaf: type) -> bool:
+    seen = set()
+    stack = [iter(xs)]
+    while stack:
+        for x in stack[-1]:
+            if type(x) is leaf:
+                return True
+            if isinstance(x, _CONTAINERS) and id(x) not in seen:
+                seen.add(id(x))
+                stack.append(iter(x.values() if isinstance(x, dict) else x))
+                break
+        else:
+            stack.pop()
+    return False
+
+
+def _replace(x, leaf: type, fn: Callable[[Any], Any], depth: int = 0):
+    """``x`` with every ``leaf`` inside its containers replaced by ``fn(leaf)``;
+    containers without one are returned as they are (not copied)."""
     t = type(x)
-    if t is Arc:
-        ok, v = call_token(call, x.fid, eng)
+    if t is leaf:
+        return fn(x)
+    if t in _ATOMS or not isinstance(x, _CONTAINERS):
+        return x
+    if depth > _DEEP:
+        if not _holds_deep((x,), leaf):
+            return x  # deep, maybe cyclic, and nothing to replace: pickle copes
+        raise errors.CallError("a future nested more than 50 containers deep (or inside a "
+                               "container that contains itself) cannot be an argument")
+    d = depth + 1
+    if t is list:
+        return [_replace(v, leaf, fn, d) for v in x] if _holds(x, leaf) else x
+    if t is tuple:
+        return tuple([_replace(v, leaf, fn, d) for v in x]) if _holds(x, leaf) else x
+    if t is dict:
+        return {k: _replace(v, leaf, fn, d) for k, v in x.items()} if _holds(x.values(), leaf) else x
+    if not _holds(x.values() if isinstance(x, dict) else x, leaf):
+        return x
+    if isinstance(x, dict):
+        y = copy.copy(x)  # keeps the subclass and its state (defaultdict's factory, ...)
+        for k in list(y):
+            y[k] = _replace(y[k], leaf, fn, d)
+        return y
+    items = [_replace(v, leaf, fn, d) for v in x]
+    if isinstance(x, tuple) and hasattr(t, "_make"):
+        return t._make(items)  # a namedtuple
+    if isinstance(x, list):
+        y = copy.copy(x)
+        y[:] = items
+        return y
+    if isinstance(x, set):
+        y = copy.copy(x)
+        y.clear()
+        y.update(items)
+        return y
+    return t(items)  # tuple and frozenset subclasses
+
+
+def _holds(xs, leaf: type) -> bool:
+    if leaf is Future:
+        return _has_future(xs)
+    return True  # arcs: the receiver substitutes wherever the sender put one
+
+
+def _subst(x, call: Call, eng):
+    def value(arc):
+        ok, v = call_token(call, arc.fid, eng)
         if not ok:
             raise v
         return v
-    if t is list:
-        return [_subst(v, call, eng) for v in x]
-    if t is tuple:
-        return tuple(_subst(v, call, eng) for v in x)
-    if t is dict:
-        return {k: _subst(v, call, eng) for k, v in x.items()}
-    return x
+    return _replace(x, Arc, value)
 
 
 def call_token(call: Call, afid, eng):
