@@ -78,11 +78,11 @@ EXTRA = 'pip install "macroflow[peers]"'
 OPERATIONS = [
     ("null_actor_call", "null actor call", "us"),
     ("null_task", "null task", "us"),
-    ("pipelined_1000", "1,000 pipelined calls, per call", "us"),
-    ("chain_100", "chain of 100 dependent calls, per link", "us"),
+    ("pipelined_1000", "1,000 pipelined calls (per call)", "us"),
+    ("chain_100", "chain of 100 dependent calls (per link)", "us"),
     ("array_16mb", "16 MB numpy array there and back", "ms"),
-    ("startup", "start-up to first answer, 2 workers", "s"),
-    ("round_trip", "small-message round trip, no call", "us"),
+    ("startup", "start-up to first answer (2 workers)", "s"),
+    ("round_trip", "small-message round trip (no call)", "us"),
 ]
 OP_KEYS = tuple(k for k, _, _ in OPERATIONS)
 
@@ -709,13 +709,13 @@ def _rows(res: Dict[str, Any]) -> List[List[str]]:
     rows = []
     for op in res["operations"]:
         key = op["key"]
-        row = [f"{op['label']} ({op['unit']})"]
+        row = [f"{op['label']}, {op['unit']}"]
         for s in _columns(res):
             v = res["results"][s].get(key)
             row.append(_fmt(v))
             if s != "macroflow":
                 r = res["ratios"][s].get(key)
-                row.append("n/a" if r is None or v is None else f"{r:.2f}x")
+                row.append("n/a" if r is None or v is None else f"{_fmt(r)}x")
         rows.append(row)
     return rows
 
@@ -736,10 +736,13 @@ def _skip_lines(res: Dict[str, Any]) -> List[str]:
 
 def _na_lines(res: Dict[str, Any]) -> List[str]:
     out = []
+    labels = {o["key"]: o["label"] for o in res["operations"]}
     for s in _columns(res):
+        by_reason: Dict[str, List[str]] = {}
         for op, why in res["not_applicable"].get(s, {}).items():
-            label = next(o["label"] for o in res["operations"] if o["key"] == op)
-            out.append(f"{TITLES[s]}, {label}: n/a ({why})")
+            by_reason.setdefault(why, []).append(labels[op])
+        for why, ops in by_reason.items():
+            out.append(f"{TITLES[s]} n/a ({why}): {'; '.join(ops)}")
     return out
 
 
@@ -754,7 +757,7 @@ def report(res: Dict[str, Any], out: Any = None) -> None:
         macroflow bench peers (quick): ...
         Ray: skipped, not installed (install: pip install "macroflow[peers]", or pip install ray)
         ...
-        null actor call (us)  40.0  n/a  n/a
+        null actor call, us  40.0  n/a  n/a
         ...
     """
     out = out or sys.stdout
