@@ -634,7 +634,9 @@ def run(quick: bool = False, peers: Optional[Iterable[str]] = None,
     systems.remove("macroflow")
     systems.insert(0, "macroflow")
     rounds: List[Dict[str, Dict[str, Any]]] = []
+    load: List[float] = []
     for r in range(cfg.rounds):
+        load.append(os.getloadavg()[0])
         rd: Dict[str, Dict[str, Any]] = {}
         for s in systems:
             if status[s]["status"] != "run":
@@ -670,6 +672,7 @@ def run(quick: bool = False, peers: Optional[Iterable[str]] = None,
                  "cpus": os.cpu_count(), "numpy": np.__version__, "macroflow": mf.__version__,
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "elapsed_s": time.perf_counter() - started,
+                 "loadavg_1min_per_round": load,
                  "statistic": "median over rounds; ratio = peer / macroflow, median over rounds of "
                               "each round's own ratio"},
         "operations": [{"key": k, "label": label, "unit": unit} for k, label, unit in OPERATIONS],
@@ -764,7 +767,8 @@ def report(res: Dict[str, Any], out: Any = None) -> None:
     meta = res["meta"]
     print(f"macroflow bench peers ({'quick' if meta['quick'] else 'full'}): {meta['platform']}, "
           f"{meta['cpus']} cpus, python {meta['python']}, {meta['config']['rounds']} round(s), "
-          f"{meta['elapsed_s']:.0f} s", file=out)
+          f"{meta['elapsed_s']:.0f} s, 1-minute load average per round "
+          f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_1min_per_round', []))}", file=out)
     for line in _skip_lines(res):
         print(line, file=out)
     headers, rows = _headers(res), _rows(res)
@@ -794,9 +798,11 @@ def markdown(res: Dict[str, Any]) -> str:
     meta = res["meta"]
     headers, rows = _headers(res), _rows(res)
     versions = [f"{TITLES[s]} {st['version']}" for s, st in res["systems"].items() if st.get("version")]
+    load = ", ".join(f"{x:.2f}" for x in meta.get("loadavg_1min_per_round", []))
     lines = [f"Run: {meta['time']}, {meta['platform']}, {meta['cpus']} cpus, python {meta['python']}, "
              f"{meta['config']['rounds']} round(s) ({'quick' if meta['quick'] else 'full'}), "
-             f"{meta['elapsed_s']:.0f} s; " + "; ".join(versions) + ".", "",
+             f"{meta['elapsed_s']:.0f} s, 1-minute load average at the start of each round {load}; "
+             + "; ".join(versions) + ".", "",
              "| " + " | ".join(headers) + " |",
              "| --- |" + " ---: |" * (len(headers) - 1)]
     for r in rows:
