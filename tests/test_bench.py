@@ -1,7 +1,9 @@
 """The micro benchmark suite runs end to end and reports every figure.
 
-Only the shape of the report is checked: whether the bars pass is a matter
-for benchmarks on a quiet machine, not for tests.
+The figures themselves are not checked against limits (whether the bars pass
+is a matter for benchmarks on a quiet machine, not for tests): what is checked
+is that every figure was measured, that derived figures agree with the ones
+they come from, and that each bar's verdict follows from its ratio.
 """
 
 import json
@@ -18,7 +20,7 @@ POSITIVE_TABLE1 = [
     "bandwidth_mb_s", "bandwidth_roundtrip_us", "computation_instance_us", "future_construct_us",
     "chain100_issue_us", "slots_insert_us", "slots_lookup_us", "object_instantiation_us",
     "object_destruction_us", "null_rpc_persistent_us", "guarded_null_rpc_us",
-    "pipelined_persistent_us", "null_rpc_regular_default_us", "null_rpc_regular_pinned_us",
+    "pipelined_persistent_us", "null_rpc_regular_local_us", "null_rpc_regular_remote_us",
     "pipelined_regular_default_us", "pipelined_regular_pinned_us", "chain_per_link_us",
     "startup_first_answer_s", "startup_total_s", "idle_rss_mb", "idle_rss_fresh_mb", "idle_uss_fresh_mb",
 ]
@@ -30,17 +32,23 @@ def _positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def _verdict(b):
+    r, lim = b["ratio"], b["limit"]
+    return {"<=": r <= lim, "<": r < lim, ">=": r >= lim}[b["op"]]
+
+
 @pytest.mark.timeout(300)
 def test_quick_micro_suite_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "micro.json"
     assert bench.main("micro", json_path=str(out), quick=True) == 0
     printed = capsys.readouterr().out
-    for title in ("Table I", "Table II", "METG", "Bars"):
+    for title in ("Table I", "Table II", "METG", "Bars", "Chain length", "macroflow bench peers"):
         assert title in printed
 
     res = json.loads(out.read_text())
-    for section in ("meta", "baselines", "table1", "flops", "table2", "metg", "bars", "peers", "rounds"):
+    for section in ("meta", "baselines", "table1", "flops", "table2", "metg", "bars", "rounds"):
         assert section in res
+    assert "peers" not in res  # other systems are measured by the peers suite, never quoted
     for key in micro.BASELINE_KEYS + ("oneway_busypoll_us",):
         assert _positive(res["baselines"][key]), key
     t1 = res["table1"]
@@ -57,11 +65,50 @@ def test_quick_micro_suite_writes_every_figure(tmp_path, capsys):
     for point in curve:
         assert _positive(point["task_us"]) and _positive(point["efficiency"]) and _positive(point["wall_s"])
     assert res["metg"]["metg_us"] is None or _positive(res["metg"]["metg_us"])
-    assert len(res["bars"]) >= 8
+    assert t1["bandwidth_mb_s"] == pytest.approx(2 * micro.QUICK.bw_bytes / t1["bandwidth_roundtrip_us"])
+
+    # the rows' names say where the regular calls ran: default placement keeps
+    # a sync call on the caller, create(on=1) sends it to context 1
+    assert t1["regular_default_sync_ran_on"] == {"0": 20}
+    assert t1["regular_remote_sync_ran_on"] == {"1": 5}
+
+    lengths = list(micro.QUICK.chain_lengths)
+    for tr in ("local", "inproc"):
+        cl = t1["chain_length"][tr]
+        assert cl["lengths"] == lengths
+        assert sorted(cl["per_link_us"], key=int) == [str(n) for n in lengths]
+        assert all(_positive(v) for v in cl["per_link_us"].values()), tr
+        assert cl["ratio"] == pytest.approx(cl["per_link_us"][str(lengths[-1])] / cl["per_link_us"][str(lengths[0])])
+
+    names = [b["bar"] for b in res["bars"]]
+    assert len(names) == 11
+    assert any(n.startswith("null regular call, remote") for n in names)
+    for tr in ("local", "inproc"):
+        assert sum(n.startswith(f"chain on one object ({tr})") for n in names) == 1
     for b in res["bars"]:
-        assert isinstance(b["pass"], bool) and _positive(b["ratio"]), b["bar"]
-    assert _positive(res["peers"]["ray_null_actor_call_us"])
+        assert _positive(b["ratio"]), b["bar"]
+        assert b["pass"] is _verdict(b), b["bar"]
     assert psutil.Process().children(recursive=True) == []
+
+
+def test_bars_judge_the_chain_length_ratio():
+    base = {"pingpong_busypoll_us": 10.0, "pingpong_blocking_us": 20.0, "baseline_bandwidth_mb_s": 1000.0}
+    t1 = {"null_rpc_persistent_us": 25.0, "pipelined_persistent_us": 10.0, "null_rpc_regular_remote_us": 28.0,
+          "null_rpc_regular_local_us": 5.0, "chain_per_link_us": 14.0, "bandwidth_mb_s": 900.0,
+          "startup_first_answer_s": 0.01, "idle_rss_fresh_mb": 30.0,
+          "chain_length": {"local": {"lengths": [100, 1000, 20000], "ratio": 1.2,
+                                     "per_link_us": {"100": 30.0, "1000": 31.0, "20000": 36.0}},
+                           "inproc": {"lengths": [100, 1000, 20000], "ratio": 9.0,
+                                      "per_link_us": {"100": 30.0, "1000": 60.0, "20000": 270.0}}}}
+    bars = {b["bar"]: b for b in micro.bars(t1, base)}
+    local = bars["chain on one object (local): per link at 20,000 links <= 1.3x at 100"]
+    inproc = bars["chain on one object (inproc): per link at 20,000 links <= 1.3x at 100"]
+    assert (local["pass"], local["value"], local["reference"]) == (True, 36.0, 30.0)
+    assert (inproc["pass"], inproc["ratio"]) == (False, 9.0)
+    remote = next(b for b in bars.values() if b["bar"].startswith("null regular call, remote"))
+    assert remote["counted"] and remote["pass"] and remote["ratio"] == pytest.approx(2.8)
+    local_call = next(b for b in bars.values() if "default placement" in b["bar"])
+    assert not local_call["counted"]
 
 
 def test_unknown_suite_is_an_error(capsys):

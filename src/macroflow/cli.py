@@ -4,6 +4,7 @@ Examples:
     macroflow run -n 4 examples/fanout.py     # the script's main() on 4 contexts
     macroflow info                            # transports and versions
     macroflow bench micro --json out.json     # Mentat's Table I and II, METG
+    macroflow bench peers --quick             # macroflow next to Ray, Dask, executors, mpi4py
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from macroflow.bench import main as bench_main
-    return bench_main(args.suite, json_path=args.json, quick=args.quick)
+    return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions and transports present")
     i.set_defaults(fn=cmd_info)
     b = sub.add_parser("bench", help="run the benchmarks")
-    b.add_argument("suite", nargs="?", default="micro", help="micro (default)")
+    b.add_argument("suite", nargs="?", default="micro", help="micro (default), peers or baselines")
     b.add_argument("--json", default=None, help="also write every figure to this file")
     b.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    b.add_argument("--peers", default=None, metavar="LIST",
+                   help="peers suite: the peers to try, comma-separated (default: ray,dask,mpi4py)")
     b.set_defaults(fn=cmd_bench)
     return p
 

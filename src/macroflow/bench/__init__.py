@@ -1,9 +1,10 @@
-"""macroflow's benchmark suite: one module per table, against hand-coded baselines.
+"""macroflow's benchmark suites: one module per table.
 
   baselines  hand-coded socketpair ping-pong, bandwidth and fork start-up (no macroflow)
-  micro      Mentat's Table I and II for macroflow, METG(50%), and the issue's bars
+  micro      Mentat's Table I and II for macroflow, METG(50%), and the performance bars
+  peers      the same operations on macroflow, Ray, Dask, ProcessPoolExecutor and mpi4py
 
-``macroflow bench micro [--quick] [--json FILE]`` runs :func:`main`.
+``macroflow bench SUITE [--quick] [--json FILE]`` runs :func:`main`.
 """
 
 from __future__ import annotations
@@ -11,21 +12,33 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-SUITES = ("micro", "baselines")
+SUITES = ("micro", "peers", "baselines")
 
 
-def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = False) -> int:
+def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = False,
+         peers: Optional[str] = None) -> int:
     """Run a benchmark suite, print its tables, and return an exit code.
 
     Args:
-        suite: "micro" (Mentat's tables, METG, bars) or "baselines" (hand-coded only).
-        json_path: also write every figure of the micro suite to this file.
+        suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
+            Ray, Dask, ProcessPoolExecutor and mpi4py) or "baselines" (hand-coded only).
+        json_path: also write every figure of the micro or peers suite to this file.
         quick: far fewer iterations (a smoke run of well under a minute).
+        peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
 
     Example:
         >>> main("nonesuch")
         2
+        >>> main("micro", peers="ray")
+        2
     """
+    if peers is not None and suite != "peers":
+        print(f"macroflow bench: --peers applies to the peers suite only, not {suite!r}",
+              file=sys.stderr)
+        return 2
+    if suite == "peers":
+        from . import peers as peers_suite
+        return peers_suite.main(json_path=json_path, quick=quick, peers=peers)
     if suite == "micro":
         from . import micro
         return micro.main(json_path=json_path, quick=quick)

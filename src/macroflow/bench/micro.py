@@ -43,15 +43,22 @@ Scheduling
 Composites
   null RPC persistent    p.null(i).result() in a loop (p on context 1)
   pipelined persistent   1000 calls issued, then mf.gather; per call
-  null RPC regular       R().null(i).result() (default placement: the
-                         instantiation managers choose) and R.create(on=1)
-  pipelined regular      the same, 1000 issued then gathered
+  null regular, local    R().null(i).result() with default placement: the
+                         instantiation managers keep a sync call on the
+                         caller, so it runs on context 0 (no message)
+  null regular, remote   R.create(on=1).null(i).result(): pinned to context 1
+  pipelined regular      the same two, 1000 issued then gathered
   total overhead         null RPC persistent - 2 x one-way hand-coded
                          busy-poll transport (= - one busy-poll round trip)
 Extras
   chain per link         contexts=3, A on 1 and B on 2: x = A.f(x); x = B.f(x)
                          x 50, caller gathers only the last; time / 100
                          (also on 2 contexts, B on context 0)
+  chain length           one persistent object on context 1, a chain of N
+                         calls each taking the previous call's future
+                         (x = A.f(x)), caller waits for the last; time / N
+                         at three lengths (100, 1,000, 20,000; quick: 100,
+                         500, 2,000) on ``local`` and ``inproc``, once per run
   startup                mf.run(main, contexts=4) until main has the answer
                          of a first call on context 3 (fork included)
   idle context memory    psutil on context 1's pid (asked with a system call)
@@ -62,7 +69,8 @@ A warm-up session first pipelines a batch and drops its futures, so that every
 round starts from the same process state (the runtime's reused pickler keeps
 the memo size of the largest message it has pickled).
 
-Run ``macroflow bench micro [--quick] [--json FILE]``.
+Run ``macroflow bench micro [--quick] [--json FILE]``. Other systems doing the
+same operations are measured by ``macroflow bench peers`` (:mod:`macroflow.bench.peers`).
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -96,7 +104,8 @@ class Config:
                  pipe_batches: int, local_iters: int, create_iters: int, bw_iters: int,
                  chain_reps: int, startup_runs: int, baseline_iters: int,
                  metg_grid_us: List[float], metg_work_s: float, metg_reps: int,
-                 bw_bytes: int = 16 * 2**20, chain_links: int = 100):
+                 bw_bytes: int = 16 * 2**20, chain_links: int = 100,
+                 chain_lengths: Tuple[int, ...] = (100, 1000, 20_000)):
         self.name = name
         self.rounds = rounds
         self.rtt_iters = rtt_iters
@@ -114,6 +123,7 @@ class Config:
         self.metg_reps = metg_reps
         self.bw_bytes = bw_bytes
         self.chain_links = chain_links
+        self.chain_lengths = chain_lengths
 
     def as_dict(self) -> Dict[str, Any]:
         return dict(vars(self))
@@ -128,7 +138,8 @@ FULL = Config("full", rounds=7, rtt_iters=1500, rtt_warmup=150, pipe_calls=1000,
 QUICK = Config("quick", rounds=3, rtt_iters=300, rtt_warmup=50, pipe_calls=1000, pipe_batches=2,
                local_iters=20_000, create_iters=8, bw_iters=3, chain_reps=4, startup_runs=2,
                baseline_iters=300,
-               metg_grid_us=[20, 100, 500, 2000, 10_000, 50_000], metg_work_s=0.08, metg_reps=2)
+               metg_grid_us=[20, 100, 500, 2000, 10_000, 50_000], metg_work_s=0.08, metg_reps=2,
+               chain_lengths=(100, 500, 2000))
 
 # Mentat's Table I (Sun network, Intel Paragon), microseconds unless noted.
 MENTAT = {
@@ -147,22 +158,12 @@ MENTAT = {
     "object_destruction_us": (2400, 300),
     "null_rpc_persistent_us": (3960, 1280),
     "pipelined_persistent_us": (775, 413),
-    "null_rpc_regular_default_us": (12_320, 520_800),
+    "null_rpc_regular_remote_us": (12_320, 520_800),
     "pipelined_regular_default_us": (2950, 10_210),
     "total_overhead_us": (500, 760),
 }
 MENTAT_TABLE2 = {"Sun SparcStation 2": (4356, 1823, 30492, 12761),
                  "Intel Paragon": (676, 265, 6760, 2650)}
-
-# Peer systems, from the issue: not measured by this suite.
-PEERS = {
-    "ray_null_actor_call_us": 989.0,
-    "ray_task_us": 1603.0,
-    "process_pool_executor_call_us": 144.0,
-    "ray_chain_per_link_us": 3500.0,
-    "dask_chain_per_link_us": 6000.0,
-}
-PEERS_NOTE = "measured by the CEO on this machine class, not in this run"
 
 # --------------------------------------------------------------------------- parallel objects
 # Defined at module level: classes travel by reference (this module is
@@ -459,14 +460,16 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
 
     r_default = Stateless()
     r_pinned = Stateless.create(on=1)
-    out["null_rpc_regular_default_us"] = _sync_us(lambda i: r_default.null(i).result(), n, w)
-    out["null_rpc_regular_pinned_us"] = _sync_us(lambda i: r_pinned.null(i).result(), n, w)
+    out["null_rpc_regular_local_us"] = _sync_us(lambda i: r_default.null(i).result(), n, w)
+    out["null_rpc_regular_remote_us"] = _sync_us(lambda i: r_pinned.null(i).result(), n, w)
     where = mf.gather([r_default.where() for _ in range(20)])
     out["regular_default_ran_on"] = {str(c): where.count(c) for c in sorted(set(where))}
     where = []
     for _ in range(20):
         where.append(r_default.where().result())
     out["regular_default_sync_ran_on"] = {str(c): where.count(c) for c in sorted(set(where))}
+    where = [r_pinned.where().result() for _ in range(5)]
+    out["regular_remote_sync_ran_on"] = {str(c): where.count(c) for c in sorted(set(where))}
 
     # pipelined
     calls, batches = cfg.pipe_calls, cfg.pipe_batches
@@ -568,6 +571,48 @@ def _chain(a: Any, b: Any, cfg: Config) -> Dict[str, float]:
 
 def _chain_main(cfg: Config) -> Dict[str, float]:
     return _chain(Link.create(on=1), Link.create(on=2), cfg)
+
+
+def _chain_length_main(lengths: Sequence[int]) -> Dict[str, float]:
+    """Per-link cost of a chain of each length on one persistent object on context 1."""
+    a = Link.create(on=1)
+    a.ping().result(60)
+    out: Dict[str, float] = {}
+    for n in lengths:
+        samples = []
+        # short chains are cheap enough to repeat; the longest runs once
+        for _ in range(max(1, min(5, max(lengths) // n - 1))):
+            gc.collect()
+            t0 = _ns()
+            x: Any = 0
+            for _ in range(n):
+                x = a.f(x)
+            v = x.result(900)
+            t1 = _ns()
+            if v != n:
+                raise RuntimeError(f"chain of {n}: got {v}, expected {n}")
+            del x
+            samples.append((t1 - t0) / n / 1e3)
+        out[str(n)] = _median(samples)
+    return out
+
+
+def chain_length(lengths: Sequence[int], transport: str) -> Dict[str, Any]:
+    """Per-link cost (us) of a chain of dependent calls at each length, and longest / shortest.
+
+    Each call ``x = A.f(x)`` takes the previous call's future; ``A`` is one
+    persistent object on context 1 of a 2-context run; the caller waits only
+    for the last link.
+
+    Example:
+        >>> r = chain_length([10, 40], "inproc")
+        >>> sorted(r["per_link_us"]), r["ratio"] == r["per_link_us"]["40"] / r["per_link_us"]["10"]
+        (['10', '40'], True)
+    """
+    lengths = sorted(lengths)
+    per = mf.run(_chain_length_main, lengths, contexts=2, transport=transport)
+    return {"lengths": lengths, "per_link_us": per,
+            "ratio": per[str(lengths[-1])] / per[str(lengths[0])]}
 
 
 def _warm_main(calls: int) -> None:
@@ -733,7 +778,7 @@ def table2(ms: float, mt: float, bp: float, rates: Dict[str, float]) -> Dict[str
 
 def bars(t1: Dict[str, float], base: Dict[str, float],
          rounds: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
-    """The issue's bars, each with its measured ratio and PASS/FAIL.
+    """The performance bars, each with its measured ratio and PASS/FAIL.
 
     ``value`` and ``reference`` are medians over rounds; ``ratio`` is the median
     over rounds of each round's own ratio (both sides measured minutes apart at
@@ -767,20 +812,26 @@ def bars(t1: Dict[str, float], base: Dict[str, float],
     bar("pipelined null call rate >= 2x sync call rate", 1e6 / pipe, 1e6 / sync,
         ratio_of("pipelined_persistent_us", "null_rpc_persistent_us", invert=True), 2.0, ">=",
         "calls/s")
-    where = t1.get("regular_default_sync_ran_on", {})
-    bar("null regular call (default placement) <= 3x busy-poll round trip",
-        t1["null_rpc_regular_default_us"], busy,
-        ratio_of("null_rpc_regular_default_us", "pingpong_busypoll_us"), 3.0, "<=",
+    where = t1.get("regular_remote_sync_ran_on", {})
+    bar("null regular call, remote (create(on=1)) <= 3x busy-poll round trip",
+        t1["null_rpc_regular_remote_us"], busy,
+        ratio_of("null_rpc_regular_remote_us", "pingpong_busypoll_us"), 3.0, "<=",
         f"us; ran on contexts {where}" if where else "us")
-    bar("(reference) null regular call pinned to context 1 vs busy-poll round trip",
-        t1["null_rpc_regular_pinned_us"], busy,
-        ratio_of("null_rpc_regular_pinned_us", "pingpong_busypoll_us"), 3.0, "<=",
-        "us; reported, not a bar", counted=False)
+    where = t1.get("regular_default_sync_ran_on", {})
+    bar("(reference) null regular call, default placement: a local call vs busy-poll round trip",
+        t1["null_rpc_regular_local_us"], busy,
+        ratio_of("null_rpc_regular_local_us", "pingpong_busypoll_us"), 3.0, "<=",
+        f"us; reported, not a bar: no message is sent; ran on contexts {where}", counted=False)
     bar("chain per link <= 1.5x busy-poll round trip", t1["chain_per_link_us"], busy,
         ratio_of("chain_per_link_us", "pingpong_busypoll_us"), 1.5, "<=", "us")
     bar("16 MB pass-and-return >= 80% of hand-coded out-of-band socket bandwidth", t1["bandwidth_mb_s"],
         base["baseline_bandwidth_mb_s"], ratio_of("bandwidth_mb_s", "baseline_bandwidth_mb_s"), 0.8, ">=",
         "MB/s")
+    for tr, cl in (t1.get("chain_length") or {}).items():
+        short, long_ = str(cl["lengths"][0]), str(cl["lengths"][-1])
+        bar(f"chain on one object ({tr}): per link at {int(long_):,} links <= 1.3x at {int(short):,}",
+            cl["per_link_us"][long_], cl["per_link_us"][short], cl["ratio"], 1.3, "<=",
+            "us per link; measured once per run")
     v = t1["startup_first_answer_s"]
     bar("mf.run with 4 contexts to first answer < 0.5 s", v, 0.5, v / 0.5, 1.0, "<", "seconds")
     v = t1.get("idle_rss_fresh_mb", float("nan"))
@@ -806,7 +857,7 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
     med = {k: _median([rd.get(k) for rd in rounds]) for k in numeric}
     base = {k: med[k] for k in BASELINE_KEYS}
     t1 = {k: v for k, v in med.items() if k not in BASELINE_KEYS and k != "loadavg_1min"}
-    for k in ("regular_default_ran_on", "regular_default_sync_ran_on"):
+    for k in ("regular_default_ran_on", "regular_default_sync_ran_on", "regular_remote_sync_ran_on"):
         t1[k] = rounds[-1].get(k, {})
     for mode in baselines.MODES:
         base[f"oneway_{mode}_us"] = base[f"pingpong_{mode}_us"] / 2
@@ -820,6 +871,11 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
     progress("METG")
     curve = mf.run(_metg_main, cfg, contexts=2)
     metg = metg_from_curve(curve)
+
+    t1["chain_length"] = {}
+    for tr in ("local", "inproc"):
+        progress(f"chain length ({tr}: {', '.join(str(n) for n in cfg.chain_lengths)} links)")
+        t1["chain_length"][tr] = chain_length(cfg.chain_lengths, tr)
 
     result = {
         "meta": {"suite": "micro", "quick": quick, "config": cfg.as_dict(),
@@ -840,7 +896,6 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
         "metg": {"level": 0.5, **metg, "curve": curve,
                  "definition": "efficiency = n_tasks * d / (wall * 2) on mf.run(contexts=2), "
                                "tasks Spin().spin(d) busy-wait d us, default placement"},
-        "peers": {**PEERS, "note": PEERS_NOTE},
         "rounds": rounds,
     }
     result["bars"] = bars(t1, base, rounds)
@@ -881,9 +936,9 @@ TABLE1_ROWS: List[Tuple[str, str, str, Optional[str], str]] = [
     ("", "  (hand-coded poll-then-sleep RTT)", None, "pingpong_pollsleep_us", ""),
     ("", "Pipelined null RPC - persistent", "pipelined_persistent_us", None,
      "1000 issued, gathered; per call"),
-    ("", "Single null RPC - regular (default)", "null_rpc_regular_default_us", "pingpong_busypoll_us",
-     "R().null(i).result(), placement included"),
-    ("", "Single null RPC - regular (on=1)", "null_rpc_regular_pinned_us", "pingpong_busypoll_us",
+    ("", "Null regular call, local (default placement)", "null_rpc_regular_local_us", None,
+     "R().null(i).result(): default placement runs it on ctx 0, no message"),
+    ("", "Null regular call, remote (on=1)", "null_rpc_regular_remote_us", "pingpong_busypoll_us",
      "R.create(on=1).null(i).result()"),
     ("", "Pipelined null RPC - regular (default)", "pipelined_regular_default_us", None, ""),
     ("", "Pipelined null RPC - regular (on=1)", "pipelined_regular_pinned_us", None, ""),
@@ -991,8 +1046,19 @@ def report(res: Dict[str, Any], out=None) -> None:
             for b in res["bars"]]
     render_table("Bars (ratio: median over rounds of each round's own ratio)", ["bar", "value", "reference", "ratio", "limit",
                                                         "result", "note"], rows, out)
-    rows = [[k, v] for k, v in res["peers"].items() if k != "note"]
-    render_table(f"Peers ({PEERS_NOTE})", ["figure", "us"], rows, out)
+    rows = _chain_length_rows(t1)
+    if rows:
+        render_table("Chain length: one persistent object on context 1, per link (us)",
+                     ["transport", "lengths", "per link", "longest / shortest"], rows, out)
+    print("Other systems doing the same operations: macroflow bench peers", file=out or sys.stdout)
+
+
+def _chain_length_rows(t1: Dict[str, Any]) -> List[List[Any]]:
+    rows = []
+    for tr, cl in (t1.get("chain_length") or {}).items():
+        rows.append([tr, " / ".join(f"{n:,}" for n in cl["lengths"]),
+                     " / ".join(_fmt(cl["per_link_us"][str(n)]) for n in cl["lengths"]), cl["ratio"]])
+    return rows
 
 
 def markdown(res: Dict[str, Any]) -> str:
@@ -1045,8 +1111,13 @@ def markdown(res: Dict[str, Any]) -> str:
         result = ("PASS" if b["pass"] else "**FAIL**") if b.get("counted", True) else "(info)"
         lines.append(f"| {b['bar']} | {_fmt(b['value'])} | {_fmt(b['reference'])} | {_fmt(b['ratio'])} | "
                      f"{b['op']} {b['limit']:g} | {result} | {b['note']} |")
-    lines += ["", f"Peers ({PEERS_NOTE}): " + ", ".join(
-        f"{k} {_fmt(v)}" for k, v in res["peers"].items() if k != "note") + "."]
+    rows = _chain_length_rows(t1)
+    if rows:
+        lines += ["", "### Chain length", "",
+                  "One persistent object on context 1 of 2; each call takes the previous call's future; "
+                  "the caller waits for the last. Microseconds per link.", "",
+                  "| transport | lengths | per link | longest / shortest |", "| --- | --- | --- | ---: |"]
+        lines += [f"| {r[0]} | {r[1]} | {r[2]} | {_fmt(r[3])} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
