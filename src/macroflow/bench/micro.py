@@ -289,7 +289,7 @@ def _system_call(method: str, ctx: int, *args: Any) -> Any:
 def _local_rows(n: int) -> Dict[str, float]:
     eng = current_engine()
     out: Dict[str, float] = {}
-    header = (CALL, (0, 123456), PERSISTENT, ((0, 7),), "null", (1,), {}, None, 4)
+    header = (CALL, (0, 123456), PERSISTENT, ((0, 7),), "null", (1,), {}, None, 4, 0)
     loads = marshal.loads
 
     def msg_with(enc):

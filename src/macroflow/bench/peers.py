@@ -350,7 +350,7 @@ class _Macroflow:
 
     def round_trip(self, i: int) -> None:
         box = self.box
-        mf.rsr(self.actor.gptr, _bounce_back, self.home, i)
+        mf.rsr(mf.info(self.actor).gptr, _bounce_back, self.home, i)
         self.drive(lambda: box[0] == i)
 
     def stop(self) -> None:
