@@ -117,3 +117,27 @@ class TimeoutError(MacroflowError, TimeoutError):  # noqa: A001 - deliberately a
         >>> issubclass(TimeoutError, builtins.TimeoutError)
         True
     """
+
+
+class LimitError(MacroflowError, OSError):
+    """A limit of the operating system stops the computation from starting or growing.
+
+    Raised instead of a bare ``OSError`` when macroflow runs out of file
+    descriptors (``RLIMIT_NOFILE``) or processes (``RLIMIT_NPROC``); the
+    message names the limit, its current values and how to raise it.
+    ``limit`` is the name of the limit; the original ``OSError`` is the
+    ``__cause__``.
+
+    Example:
+        >>> e = LimitError("RLIMIT_NOFILE", "too many open files")
+        >>> e.limit, str(e), isinstance(e, OSError)
+        ('RLIMIT_NOFILE', 'too many open files', True)
+    """
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
