@@ -11,6 +11,7 @@ import pytest
 
 from macroflow.core import marshal
 from macroflow.launch import new_computation_id
+from macroflow.transport import local
 from macroflow.transport.local import LocalTransport, Mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +66,15 @@ def test_large_out_of_band_frame():
 
 
 def test_two_contexts_sending_big_frames_to_each_other_do_not_deadlock():
+    _cross_big_frames()
+
+
+@pytest.mark.timeout(20)
+def test_draining_context_does_not_wait_for_the_rest_of_a_big_buffer(monkeypatch):
+    # Both ends drain a frame of their own and have part of the other's: one
+    # that waited in the kernel for the rest would wait for a peer that waits
+    # for it, until the stall limit (here far beyond the test's timeout).
+    monkeypatch.setattr(local, "_STALL", 3600.0)
     _cross_big_frames()
 
 

@@ -270,6 +270,7 @@ class LocalTransport(Transport):
         self.pool = BufferPool()
         self.calm_until = 0.0  # no spinning before this time (we were preempted)
         self.spins_preempted = 0
+        self.draining = False  # in _drain: finishing a frame of our own
         self.mesh = mesh
         self.listener = listener
         self.lfd = -1
@@ -492,6 +493,7 @@ class LocalTransport(Transport):
         # everything that arrives meanwhile, so that two contexts sending large
         # frames to each other cannot deadlock.
         self.ep.modify(c.fd, select.EPOLLIN | select.EPOLLOUT)
+        draining, self.draining = self.draining, True
         try:
             while c.outq and not c.closed:
                 for fd, ev in self.ep.poll(1.0):
@@ -505,6 +507,7 @@ class LocalTransport(Transport):
                     if d is c and ev & select.EPOLLOUT:
                         self._write(c)
         finally:
+            self.draining = draining
             if not c.closed:
                 self.ep.modify(c.fd, select.EPOLLIN)
 
@@ -621,10 +624,11 @@ class LocalTransport(Transport):
         # from send() before the whole frame is written, whatever else happens,
         # so waiting for it in the kernel is safe and streams the bytes with far
         # fewer wake-ups than polling. A peer that stalls for _STALL seconds
-        # sends us back to polling.
+        # sends us back to polling. Not while we drain a frame of our own: the
+        # peer may be draining too, waiting for our bytes before it sends more.
         sock = c.sock
         big, mv = c.big, c.bigmv
-        sock.settimeout(_STALL)
+        sock.settimeout(0.0 if self.draining else _STALL)
         got = 0
         try:
             while c.bigpos < big.nbytes:  # type: ignore[union-attr]
@@ -633,7 +637,7 @@ class LocalTransport(Transport):
                     return got  # the peer closed: 0 if nothing came before
                 c.bigpos += n
                 got += n
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):
             if got == 0:
                 raise BlockingIOError from None
         finally:
