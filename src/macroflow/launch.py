@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
+import math
 import os
 import random
 import resource
@@ -42,11 +43,38 @@ DEFAULT_SPIN_US = 50.0
 _sessions: List["Session"] = []
 
 
-def _spin_us(spin_us: Optional[float]) -> float:
+def spin_us_setting(spin_us: Any = None) -> float:
+    """The spin time to use: ``spin_us`` if given, else MACROFLOW_SPIN_US, else 50.
+
+    Allowed: a finite number of microseconds >= 0 (0: sleep at once, never
+    poll); anything else raises ValueError naming the value and its source.
+
+    Example:
+        >>> spin_us_setting(20)
+        20.0
+        >>> spin_us_setting(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got -1
+    """
     if spin_us is not None:
-        return float(spin_us)
+        return _check_spin(spin_us, spin_us, "spin_us")
     env = os.environ.get("MACROFLOW_SPIN_US")
-    return float(env) if env else DEFAULT_SPIN_US
+    if not env:
+        return DEFAULT_SPIN_US
+    try:
+        value = float(env)
+    except ValueError:
+        value = None
+    return _check_spin(value, env, "the MACROFLOW_SPIN_US environment variable")
+
+
+def _check_spin(value: Any, shown: Any, source: str) -> float:
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        return float(value)
+    raise ValueError(f"{source} must be a finite number of microseconds >= 0 "
+                     f"(0: never poll before sleeping); got {shown!r}")
 
 
 def _set_pdeathsig() -> None:
@@ -354,18 +382,25 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         transport: "local" (processes on this host) or "inproc" (one process).
         placement: a policy name ("round-robin", "random",
             "best-most-recently") or a :class:`macroflow.Placement`.
-        spin_us: how long an idle context polls before it sleeps
-            (default 50, or the MACROFLOW_SPIN_US environment variable).
+        spin_us: how long, in microseconds, an idle context polls before it
+            sleeps: a finite number >= 0, 0 to sleep at once (default 50, or
+            the MACROFLOW_SPIN_US environment variable).
 
     Raises:
         RuntimeError: a computation is already running in this process.
-        ValueError: bad number of contexts, transport or placement.
+        ValueError: bad number of contexts, transport, placement or spin_us
+            (or MACROFLOW_SPIN_US).
+        LimitError: too few file descriptors or processes for the contexts.
 
     Example:
         >>> import macroflow as mf
         >>> with mf.init(contexts=2, transport="inproc"):
         ...     mf.num_contexts()
         2
+        >>> mf.init(contexts=2, spin_us="fast")
+        Traceback (most recent call last):
+        ...
+        ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got 'fast'
     """
     if _ctx._state.default is not None:
         raise RuntimeError("a macroflow computation is already running in this process; "
@@ -376,7 +411,7 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     if transport not in REGISTRY:
         raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
-    return Session(contexts, transport, Placement.make(placement), _spin_us(spin_us))
+    return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us))
 
 
 def shutdown() -> None:
