@@ -250,3 +250,20 @@ def test_connection_without_the_secret_is_dropped():
         raw.close()
         ts[1].close()
         ts[2].close()
+
+
+def test_address_held_by_another_user_is_not_trusted(monkeypatch):
+    # a context's name is free again once it has ended; a process of another
+    # user listening there must not receive frames (they are pickles)
+    _, ts, got = _mesh_pair()
+    uid = os.geteuid()
+    monkeypatch.setattr(local.os, "geteuid", lambda: uid + 1)
+    try:
+        with pytest.raises(ConnectionError, match="another user"):
+            ts[1].send(2, [b"secret"], 0)
+        assert got[1][0][:2] == ("lost", 2) and "another user" in got[1][0][2]
+        ts[2].poll(0.1)
+        assert got[2] == []
+    finally:
+        ts[1].close()
+        ts[2].close()

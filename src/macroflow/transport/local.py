@@ -57,6 +57,7 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _HELLO = struct.Struct("<4sI16s")  # magic, the connector's context id, the secret
 _MAGIC = b"MFh1"
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _START_WAIT = 120.0  # seconds to wait for a peer's listening socket to appear
 NOT_STARTED, LISTENING, GONE = 0, 1, 2  # a context's state in Mesh.states
 
@@ -336,6 +337,13 @@ class LocalTransport(Transport):
                 s.close()
                 self._report(dest, f"connect failed: {e}")
             else:
+                # the name is free again once its context has ended: whoever listens
+                # there now must at least be us (frames are pickles)
+                _pid, uid, _gid = _UCRED.unpack(
+                    s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                if uid != os.geteuid():
+                    s.close()
+                    self._report(dest, f"its address is held by another user (uid {uid})")
                 c = self._add(dest, s)
                 if not self._send_whole(c, mesh.hello(self.ctx)):
                     raise ConnectionError(f"context {dest}: sending the hello failed")
