@@ -180,7 +180,10 @@ class Session:
                 try:
                     pid = os.fork()
                 except OSError as e:
-                    raise fork_error(c, n, e) from e
+                    err = fork_error(c, n, e)
+                    if err is e:
+                        raise
+                    raise err from e
                 if pid == 0:  # pragma: no cover - runs in the child
                     _child_main(c, n, b, listener, [a, *mine.values()], mesh, placement,
                                 spin_us, self.computation)
@@ -189,7 +192,8 @@ class Session:
                 spare.clear()
                 b.close()
                 listener.close()
-            transport = LocalTransport(0, mine, spin_us, mesh=mesh)
+            eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
+                         computation=self.computation)
         except BaseException:
             for s in spare:
                 s.close()
@@ -199,7 +203,7 @@ class Session:
                 _kill(pid)
                 self.reaped[c] = -9
             raise
-        eng = self.engine = Engine(0, n, transport, placement, computation=self.computation)
+        self.engine = eng
         eng.describe_lost = self._describe_lost
 
     def _describe_lost(self, peer: int) -> str:
