@@ -1,6 +1,7 @@
 """Contexts that die, teardown on every exit path, init/shutdown, the CLI."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,6 +171,59 @@ def test_cli_run_missing_script():
     out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", "/nonexistent.py"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no such file" in out.stderr
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["-n", "0"], "argument -n: must be an int >= 1; got '0'"),
+    (["-n", "two"], "argument -n: must be an int >= 1; got 'two'"),
+    (["--transport", "nope"], "argument --transport: invalid choice: 'nope'"),
+    (["--placement", "closest"], "argument --placement: invalid choice: 'closest'"),
+])
+def test_cli_run_bad_arguments_are_usage_errors(tmp_path, argv, complaint):
+    script = _script(tmp_path, MAIN_CLASSES)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", *argv, script],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"macroflow run: error: {complaint}" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_run_bad_spin_environment_is_a_usage_error(tmp_path):
+    script = _script(tmp_path, MAIN_CLASSES)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", script],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "MACROFLOW_SPIN_US": "fast"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "macroflow run: error: the MACROFLOW_SPIN_US environment variable must be" in out.stderr
+
+
+@pytest.mark.parametrize("spin", [-1, -0.5, float("nan"), float("inf"), "50", True, [50]])
+def test_bad_spin_us_is_refused_before_anything_starts(spin):
+    with pytest.raises(ValueError, match=r"spin_us must be a finite number of microseconds >= 0 "
+                                         r"\(0: never poll before sleeping\); got "):
+        mf.run(lambda: None, contexts=2, spin_us=spin)
+    with pytest.raises(ValueError, match=f"got {re.escape(repr(spin))}"):
+        mf.init(contexts=2, spin_us=spin)
+    assert psutil.Process().children(recursive=True) == []
+    with pytest.raises(RuntimeError, match="not running"):
+        mf.context_id()
+
+
+@pytest.mark.parametrize("env", ["fast", "-5", "nan", "1e400"])
+def test_bad_spin_environment_variable_is_refused(monkeypatch, env):
+    monkeypatch.setenv("MACROFLOW_SPIN_US", env)
+    with pytest.raises(ValueError, match=f"the MACROFLOW_SPIN_US environment variable must be a "
+                                         f"finite number .*; got '{env}'"):
+        mf.init(contexts=2)
+    assert mf.run(lambda: mf.num_contexts(), contexts=2, spin_us=0) == 2  # an argument wins
+
+
+def test_spin_us_zero_and_numbers_are_accepted(monkeypatch):
+    monkeypatch.setenv("MACROFLOW_SPIN_US", "7.5")
+    with mf.init(contexts=2) as s:
+        assert s.engine.transport.spin_s == 7.5e-6
+    with mf.init(contexts=2, spin_us=0) as s:
+        assert s.engine.transport.spin_s == 0.0
 
 
 CTRL_C = """

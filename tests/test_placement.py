@@ -95,12 +95,44 @@ def test_transfer_limit_lets_loaded_managers_pass_calls_on():
     assert transferred == 0
 
 
+def test_threshold_zero_passes_every_received_call_on_while_the_limit_allows(run):
+    # Calls made one at a time: every receiving context is idle. With threshold
+    # 0 it still passes each call on, up to transfer_limit moves in all; with
+    # threshold 1 an idle context keeps what it receives.
+    def main():
+        h = Where()
+        ran = [h.ctx().result() for _ in range(30)]
+        return ran, sum(s["calls_transferred"] for s in mf.stats().values())
+
+    ran, moved = run(main, contexts=3, placement=Placement(threshold=0, transfer_limit=3))
+    assert len(ran) == 30 and moved == 30 * 2
+    ran, moved = run(main, contexts=3, placement=Placement(threshold=1, transfer_limit=3))
+    assert 0 < moved < 30 and 0 not in ran  # only calls placed on busy context 0 move
+
+
 def test_placement_validation():
     with pytest.raises(ValueError, match="placement policy"):
         Placement("closest")
-    with pytest.raises(ValueError, match="threshold"):
+    with pytest.raises(ValueError, match="placement policy"):
+        Placement(None)
+    with pytest.raises(ValueError, match=r"threshold must be an int >= 0; got -1"):
         Placement(threshold=-1)
-    with pytest.raises(ValueError, match="transfer_limit"):
+    with pytest.raises(ValueError, match=r"transfer_limit must be an int >= 1 .*got -2"):
         Placement(transfer_limit=-2)
     with pytest.raises(TypeError, match="placement"):
         Placement.make(3.5)
+
+
+def test_transfer_limit_zero_is_refused():
+    # the caller's placement is the first move: 0 would mean the same as 1
+    with pytest.raises(ValueError, match=r"transfer_limit must be an int >= 1 \(1: a call runs where"):
+        Placement(transfer_limit=0)
+    assert Placement(transfer_limit=1).transfer_limit == 1
+    assert Placement(threshold=0).threshold == 0
+
+
+@pytest.mark.parametrize("arg", ["threshold", "transfer_limit"])
+@pytest.mark.parametrize("value", [True, False, 2.0, "2", None])
+def test_placement_numbers_must_be_ints(arg, value):
+    with pytest.raises(TypeError, match=f"{arg} must be an int >= ., not {type(value).__name__}"):
+        Placement(**{arg: value})

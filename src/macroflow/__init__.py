@@ -12,6 +12,7 @@ Everything public is re-exported here; nothing else lives in this file.
 from .core.errors import CallError as CallError
 from .core.errors import ContextLost as ContextLost
 from .core.errors import DeadlockError as DeadlockError
+from .core.errors import LimitError as LimitError
 from .core.errors import MacroflowError as MacroflowError
 from .core.errors import ObjectDestroyed as ObjectDestroyed
 from .core.errors import RemoteError as RemoteError

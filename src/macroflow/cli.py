@@ -34,6 +34,11 @@ def _load_script(path: str) -> types.ModuleType:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
+    from macroflow.launch import spin_us_setting
+    try:
+        spin_us_setting()  # a bad MACROFLOW_SPIN_US is a usage error, found before the script runs
+    except ValueError as e:
+        args.parser.error(str(e))
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
     if not callable(main):
@@ -68,17 +73,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a number of contexts: an int >= 1.
+
+    Example:
+        >>> positive_int("4")
+        4
+        >>> positive_int("0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be an int >= 1; got '0'
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1; got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from macroflow.core.placement import POLICIES
+    from macroflow.transport.base import REGISTRY
     p = argparse.ArgumentParser(prog="macroflow", description="parallel objects and macro dataflow")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a script's main() on N contexts")
-    r.add_argument("-n", type=int, default=None, help="number of contexts (default: CPU count)")
-    r.add_argument("--transport", default="local", help="local (default) or inproc")
-    r.add_argument("--placement", default=None, help="round-robin, random or best-most-recently")
+    r.add_argument("-n", type=positive_int, default=None, metavar="N",
+                   help="number of contexts (default: CPU count)")
+    r.add_argument("--transport", default="local", choices=sorted(REGISTRY),
+                   help="local (default) or inproc")
+    r.add_argument("--placement", default=None, choices=POLICIES,
+                   help="round-robin (default), random or best-most-recently")
     r.add_argument("--main", default="main", help="the function to run (default: main)")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
-    r.set_defaults(fn=cmd_run)
+    r.set_defaults(fn=cmd_run, parser=r)
     i = sub.add_parser("info", help="versions and transports present")
     i.set_defaults(fn=cmd_info)
     b = sub.add_parser("bench", help="run the benchmarks")

@@ -1,7 +1,9 @@
 """Bring a computation up and down: :func:`run`, :func:`init`, :func:`shutdown`.
 
 With the ``local`` transport, context 0 is this process (it runs main) and
-contexts 1..N-1 are forked from it, connected by a full mesh of socketpairs.
+contexts 1..N-1 are forked from it, each with a socketpair to context 0 and a
+listening socket through which the others connect to it when they first need
+to (so N contexts cost context 0 about N descriptors, not N squared).
 Forking (rather than starting fresh interpreters) makes start-up a few
 milliseconds, and classes and functions of the user's ``__main__`` exist in
 every context; those defined after the fork travel by value.
@@ -16,8 +18,11 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
+import math
 import os
 import random
+import resource
 import secrets
 import signal
 import socket
@@ -29,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .core import context as _ctx
 from .core import marshal
 from .core.context import SHUTDOWN, Engine
+from .core.errors import LimitError
 from .core.placement import Placement
 from .transport.base import REGISTRY
 
@@ -37,11 +43,38 @@ DEFAULT_SPIN_US = 50.0
 _sessions: List["Session"] = []
 
 
-def _spin_us(spin_us: Optional[float]) -> float:
+def spin_us_setting(spin_us: Any = None) -> float:
+    """The spin time to use: ``spin_us`` if given, else MACROFLOW_SPIN_US, else 50.
+
+    Allowed: a finite number of microseconds >= 0 (0: sleep at once, never
+    poll); anything else raises ValueError naming the value and its source.
+
+    Example:
+        >>> spin_us_setting(20)
+        20.0
+        >>> spin_us_setting(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got -1
+    """
     if spin_us is not None:
-        return float(spin_us)
+        return _check_spin(spin_us, spin_us, "spin_us")
     env = os.environ.get("MACROFLOW_SPIN_US")
-    return float(env) if env else DEFAULT_SPIN_US
+    if not env:
+        return DEFAULT_SPIN_US
+    try:
+        value = float(env)
+    except ValueError:
+        value = None
+    return _check_spin(value, env, "the MACROFLOW_SPIN_US environment variable")
+
+
+def _check_spin(value: Any, shown: Any, source: str) -> float:
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0):
+        return float(value)
+    raise ValueError(f"{source} must be a finite number of microseconds >= 0 "
+                     f"(0: never poll before sleeping); got {shown!r}")
 
 
 def _set_pdeathsig() -> None:
@@ -119,32 +152,58 @@ class Session:
 
     # -- local -----------------------------------------------------------------
     def _start_local(self, placement: Placement, spin_us: float) -> None:
-        from .transport.local import LocalTransport
+        from .transport.local import LocalTransport, Mesh, nofile_error
         n = self.size
-        pairs = {(i, j): socket.socketpair() for i in range(n) for j in range(i + 1, n)}
+        mesh = Mesh(self.computation, n)
         marshal.snapshot_main()
         sys.stdout.flush()
         sys.stderr.flush()
+        # Each child gets only its socketpair with context 0 and its listening
+        # socket; this process keeps one end per child, nothing more.
+        mine: Dict[int, socket.socket] = {}
+        spare: List[socket.socket] = []  # the child's sockets, until it has them
         try:
             for c in range(1, n):
-                pid = os.fork()
+                try:
+                    a, b = socket.socketpair()
+                    spare += (a, b)
+                    listener = mesh.listen(c)
+                    spare.append(listener)
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        raise nofile_error(f"make the sockets of context {c} of {n}", e) from e
+                    if e.errno == errno.EADDRINUSE:
+                        raise RuntimeError(
+                            f"another computation already uses the name {self.computation}; "
+                            f"start again (names are random)") from e
+                    raise
+                try:
+                    pid = os.fork()
+                except OSError as e:
+                    err = fork_error(c, n, e)
+                    if err is e:
+                        raise
+                    raise err from e
                 if pid == 0:  # pragma: no cover - runs in the child
-                    _child_main(c, n, pairs, placement, spin_us, self.computation)
+                    _child_main(c, n, b, listener, [a, *mine.values()], mesh, placement,
+                                spin_us, self.computation)
                 self.pids[c] = pid
+                mine[c] = a
+                spare.clear()
+                b.close()
+                listener.close()
+            eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
+                         computation=self.computation)
         except BaseException:
-            for pid in self.pids.values():
+            for s in spare:
+                s.close()
+            for s in mine.values():
+                s.close()
+            for c, pid in self.pids.items():
                 _kill(pid)
+                self.reaped[c] = -9
             raise
-        mine = {}
-        for (i, j), (a, b) in pairs.items():
-            if i == 0:
-                mine[j] = a
-                b.close()
-            else:
-                a.close()
-                b.close()
-        eng = self.engine = Engine(0, n, LocalTransport(0, mine, spin_us), placement,
-                                   computation=self.computation)
+        self.engine = eng
         eng.describe_lost = self._describe_lost
 
     def _describe_lost(self, peer: int) -> str:
@@ -255,8 +314,35 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: float,
-                computation: str) -> None:  # pragma: no cover
+def fork_error(ctx: int, n: int, err: OSError) -> Exception:
+    """The clear error for a failed ``fork()`` of context ``ctx`` of ``n``.
+
+    Example:
+        >>> e = fork_error(40, 100, OSError(errno.EAGAIN, "Resource temporarily unavailable"))
+        >>> e.limit, "RLIMIT_NPROC" in str(e), "ulimit -u" in str(e)
+        ('RLIMIT_NPROC', True, True)
+    """
+    if err.errno == errno.EAGAIN:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        inf = resource.RLIM_INFINITY
+        shown = ["unlimited" if v == inf else str(v) for v in (soft, hard)]
+        return LimitError("RLIMIT_NPROC", (
+            f"cannot fork context {ctx} of {n}: the limit on processes is reached "
+            f"(RLIMIT_NPROC soft limit {shown[0]}, hard limit {shown[1]}, counting every "
+            f"process of this user; or the pids.max of this container's cgroup). "
+            f"Raise it with `ulimit -u N` in the shell that starts Python, or "
+            f"resource.setrlimit(resource.RLIMIT_NPROC, (N, hard)) before mf.init or "
+            f"mf.run; or use fewer contexts"))
+    if err.errno == errno.ENOMEM:
+        return LimitError("memory", (
+            f"cannot fork context {ctx} of {n}: not enough memory (ENOMEM); "
+            f"use fewer contexts or free memory"))
+    return err
+
+
+def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
+                inherited: List[socket.socket], mesh: Any, placement: Placement,
+                spin_us: float, computation: str) -> None:  # pragma: no cover
     code = 0
     eng = None
     try:
@@ -266,24 +352,20 @@ def _child_main(ctx: int, n: int, pairs: dict, placement: Placement, spin_us: fl
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
         for s in list(_sessions):
             s.closed = True  # the parent's sessions are not ours to close
+        # context 0's ends of its socketpairs: a copy kept here would hide
+        # context 0's death from the other contexts
+        for s in inherited:
+            s.close()
         random.seed()
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed()
+        # numpy.random seeds itself from the OS when first imported: reseed only
+        # a generator copied from context 0 (importing it costs ~10 ms per context)
+        np_random = sys.modules.get("numpy.random")
+        if np_random is not None:
+            np_random.seed()
         from .transport.local import LocalTransport
-        mine = {}
-        for (i, j), (a, b) in pairs.items():
-            if i == ctx:
-                mine[j] = a
-                b.close()
-            elif j == ctx:
-                mine[i] = b
-                a.close()
-            else:
-                a.close()
-                b.close()
-        eng = Engine(ctx, n, LocalTransport(ctx, mine, spin_us), placement.copy(),
-                     computation=computation)
+        eng = Engine(ctx, n, LocalTransport(ctx, {0: sock}, spin_us, mesh=mesh, listener=listener),
+                     placement.copy(), computation=computation)
+        eng.describe_lost = lambda peer: ""  # the transport's own words say it best here
         _ctx._state.default = eng
         eng.serve_forever()
     except BaseException:
@@ -312,18 +394,25 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         transport: "local" (processes on this host) or "inproc" (one process).
         placement: a policy name ("round-robin", "random",
             "best-most-recently") or a :class:`macroflow.Placement`.
-        spin_us: how long an idle context polls before it sleeps
-            (default 50, or the MACROFLOW_SPIN_US environment variable).
+        spin_us: how long, in microseconds, an idle context polls before it
+            sleeps: a finite number >= 0, 0 to sleep at once (default 50, or
+            the MACROFLOW_SPIN_US environment variable).
 
     Raises:
         RuntimeError: a computation is already running in this process.
-        ValueError: bad number of contexts, transport or placement.
+        ValueError: bad number of contexts, transport, placement or spin_us
+            (or MACROFLOW_SPIN_US).
+        LimitError: too few file descriptors or processes for the contexts.
 
     Example:
         >>> import macroflow as mf
         >>> with mf.init(contexts=2, transport="inproc"):
         ...     mf.num_contexts()
         2
+        >>> mf.init(contexts=2, spin_us="fast")
+        Traceback (most recent call last):
+        ...
+        ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got 'fast'
     """
     if _ctx._state.default is not None:
         raise RuntimeError("a macroflow computation is already running in this process; "
@@ -334,7 +423,7 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     if transport not in REGISTRY:
         raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
-    return Session(contexts, transport, Placement.make(placement), _spin_us(spin_us))
+    return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us))
 
 
 def shutdown() -> None:

@@ -1171,7 +1171,8 @@ class Engine:
         """Tell every reachable context that this engine failed, and why, before
         the process ends (best effort: the connections may be broken too)."""
         self.stopping = True
-        for c in range(self.size):
+        peers = self.transport.peers()
+        for c in range(self.size) if peers is None else peers:
             if c != self.id and c not in self.lost:
                 try:
                     self.send(c, (FATAL, text))

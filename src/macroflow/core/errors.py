@@ -150,3 +150,27 @@ class StaleReference(MacroflowError, ValueError):
         return (f"{self.what} belongs to computation {self.computation}, not to the running "
                 f"computation {self.running}: handles, futures and global pointers are valid "
                 f"only in the computation that made them")
+
+
+class LimitError(MacroflowError, OSError):
+    """A limit of the operating system stops the computation from starting or growing.
+
+    Raised instead of a bare ``OSError`` when macroflow runs out of file
+    descriptors (``RLIMIT_NOFILE``) or processes (``RLIMIT_NPROC``); the
+    message names the limit, its current values and how to raise it.
+    ``limit`` is the name of the limit; the original ``OSError`` is the
+    ``__cause__``.
+
+    Example:
+        >>> e = LimitError("RLIMIT_NOFILE", "too many open files")
+        >>> e.limit, str(e), isinstance(e, OSError)
+        ('RLIMIT_NOFILE', 'too many open files', True)
+    """
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

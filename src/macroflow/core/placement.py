@@ -18,37 +18,63 @@ from typing import Any, Optional
 POLICIES = ("round-robin", "random", "best-most-recently")
 
 
+def _check_int(name: str, value: Any, least: int, meaning: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {least}, not {type(value).__name__}; got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be an int >= {least}{meaning}; got {value!r}")
+
+
 class Placement:
     """Transfer and location policy for one computation.
 
     Args:
         policy: "round-robin", "random" or "best-most-recently".
-        threshold: keep a call local while this context's load is below it.
-            Context 0 counts the running main program as one, a context running
-            a method counts that method: with the default of 2, a call stays
-            where it was made if nothing else is queued there (a sync call is
-            then a local call), and a fan-out goes to the location policy from
-            its second call on. 1 hands all work of a busy context to the policy.
-        transfer_limit: how many times a call may move between contexts.
+        threshold: an int >= 0; keep a call local while this context's load
+            is below it. Context 0 counts the running main program as one, a
+            context running a method counts that method: with the default of
+            2, a call stays where it was made if nothing else is queued there
+            (a sync call is then a local call), and a fan-out goes to the
+            location policy from its second call on. 1 hands all work of a
+            busy context to the policy, but a context that receives a call
+            while idle keeps it. 0 never keeps a call on account of load:
+            every call goes to the location policy (which may still pick this
+            context), and a context that receives a call passes it on again
+            whenever ``transfer_limit`` allows.
+        transfer_limit: an int >= 1, how many times a call may move between
+            contexts. The caller's manager placing the call counts as the
+            first move, so 1 (the default) runs a call where its caller put
+            it, and 2 lets the manager that receives it pass it on once more.
         seed: for the random policy, to make runs repeatable.
 
     Raises:
-        ValueError: for an unknown policy or a negative number.
+        ValueError: for an unknown policy or a number out of range.
+        TypeError: for a threshold or transfer_limit that is not an int
+            (bools included).
 
     Example:
         >>> p = Placement("random", threshold=2, transfer_limit=2, seed=1)
         >>> p.policy, p.threshold, p.transfer_limit
         ('random', 2, 2)
+        >>> Placement(threshold=0).threshold  # every call to the location policy
+        0
+        >>> Placement(transfer_limit=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: transfer_limit must be an int >= 1 (1: a call runs where its caller's manager put it); got 0
+        >>> Placement(threshold=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: placement threshold must be an int >= 0, not bool; got True
     """
 
     def __init__(self, policy: str = "round-robin", threshold: int = 2,
                  transfer_limit: int = 1, seed: Optional[int] = None):
-        if policy not in POLICIES:
+        if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"placement threshold must be an int >= 0; got {threshold!r}")
-        if not isinstance(transfer_limit, int) or transfer_limit < 0:
-            raise ValueError(f"transfer_limit must be an int >= 0; got {transfer_limit!r}")
+        _check_int("placement threshold", threshold, 0, "")
+        _check_int("transfer_limit", transfer_limit, 1,
+                   " (1: a call runs where its caller's manager put it)")
         self.policy = policy
         self.threshold = threshold
         self.transfer_limit = transfer_limit

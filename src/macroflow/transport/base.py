@@ -71,6 +71,12 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the transport's resources; peers see the connection close."""
 
+    def peers(self) -> Optional[List[int]]:
+        """The contexts this one has a connection to now, or None where every
+        context is reachable at no cost (a transport that connects on demand
+        says which, so that a dying context does not connect to everyone)."""
+        return None
+
     def address(self) -> Tuple[str, str]:
         """This context's protocol descriptor: (protocol name, address)."""
         return (self.name, "")

@@ -1,13 +1,23 @@
 """The ``local`` protocol module: contexts are processes on this host.
 
-Every pair of contexts shares one AF_UNIX stream socket (a full mesh of
-socketpairs made before the processes fork), so a frame costs one ``sendmsg``
-on the sender and one or two ``recv_into`` on the receiver.
+Context 0 shares one AF_UNIX socketpair with every other context, made as
+that context is forked. Contexts 1..N-1 connect to each other only when they
+first have something to send: each listens on a socket in Linux's abstract
+namespace named after the computation and its context id (see :class:`Mesh`),
+so a computation holds O(N) descriptors in context 0 and in each context
+O(peers it talks to), not the N(N-1) of a full mesh. Either way a frame costs
+one ``sendmsg`` on the sender and one or two ``recv_into`` on the receiver.
 
 Wire format of a frame: ``<II`` (number of buffers, sender's load), one ``<Q``
 length per buffer, then the buffers back to back. Large buffers are received
 straight into their own ``bytearray`` (no copy through the read buffer), so a
 numpy array comes out of the pickle on top of the bytes the kernel wrote.
+A connection made on demand starts with a hello (magic, the connector's
+context id, the computation's secret) before its first frame.
+
+Order: a sender sends every frame to one peer on the first connection it has
+to that peer (one it made or one the peer made), so frames from one sender to
+one receiver arrive in order even when both ends connect at the same moment.
 
 Waiting: a context that just did something polls for ``spin_us`` before it
 sleeps in epoll, because waking a sleeping process on the other core costs
@@ -17,17 +27,21 @@ sleeps in epoll, because waking a sleeping process on the other core costs
 from __future__ import annotations
 
 import errno
+import hmac
+import mmap
 import os
+import resource
 import select
 import socket
 import struct
 import sys
 import time
 from collections import deque
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as _np
 
+from ..core.errors import LimitError
 from .base import Transport
 
 _HDR = struct.Struct("<II")
@@ -41,6 +55,90 @@ _POOL_MIN = 1 << 20  # buffers from this size on are pooled
 _STALL = 2.0  # seconds a peer may pause in the middle of a large buffer
 _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
 _CALM = 0.01  # then sleep instead of spinning for this long
+_HELLO = struct.Struct("<4sI16s")  # magic, the connector's context id, the secret
+_MAGIC = b"MFh1"
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_START_WAIT = 120.0  # seconds to wait for a peer's listening socket to appear
+NOT_STARTED, LISTENING, GONE = 0, 1, 2  # a context's state in Mesh.states
+
+
+def nofile_error(what: str, err: OSError) -> LimitError:
+    """The clear error for running out of file descriptors while doing ``what``.
+
+    Example:
+        >>> e = nofile_error("make a socket", OSError(errno.EMFILE, "Too many open files"))
+        >>> e.limit, "RLIMIT_NOFILE" in str(e), "ulimit -n" in str(e)
+        ('RLIMIT_NOFILE', True, True)
+    """
+    if err.errno == errno.ENFILE:
+        return LimitError("file-max", (
+            f"cannot {what}: the system-wide table of open files is full (ENFILE); "
+            f"close other programs' files or raise /proc/sys/fs/file-max (as root)"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    if hard == inf or hard > soft:
+        target = str(hard) if hard != inf else str(max(4 * soft, 65536))
+        how = (f"raise the soft limit (each context needs a descriptor in context 0, and "
+               f"one per peer it talks to), e.g. `ulimit -n {target}` in the shell that "
+               f"starts Python, or resource.setrlimit(resource.RLIMIT_NOFILE, "
+               f"({target}, {'resource.RLIM_INFINITY' if hard == inf else hard})) "
+               f"before mf.init or mf.run")
+    else:
+        how = (f"the soft limit is already the hard limit, which only root can raise "
+               f"(`ulimit -n {4 * hard}` in a root shell, resource.setrlimit as root, "
+               f"/etc/security/limits.conf, LimitNOFILE= for a service); or use fewer contexts")
+    shown = "unlimited" if hard == inf else str(hard)
+    return LimitError("RLIMIT_NOFILE", (
+        f"cannot {what}: too many open files (RLIMIT_NOFILE soft limit {soft}, "
+        f"hard limit {shown}); {how}"))
+
+
+class Mesh:
+    """Where the contexts of one computation listen for connections, and which do.
+
+    Context ``c`` (c >= 1) listens on ``address(c)``, a socket in Linux's
+    abstract namespace (nothing on disk, gone when its process is). ``states``
+    holds one byte per context (NOT_STARTED, LISTENING, GONE) in memory that
+    every process of the computation shares (an anonymous shared mapping,
+    inherited by fork, no descriptor): a peer whose connection is refused is
+    either not forked yet (wait for it) or gone (it is lost). Every connection
+    must start with the computation's ``secret``: other processes of this
+    host can see the address, but cannot talk to a context.
+
+    Example:
+        >>> m = Mesh("c0ffee00", 3)
+        >>> m.address(2)
+        b'\\x00macroflow-c0ffee00-2'
+        >>> s = m.listen(2)
+        >>> [m.states[c] for c in range(3)] == [NOT_STARTED, NOT_STARTED, LISTENING]
+        True
+        >>> s.close()
+    """
+
+    def __init__(self, computation: str, size: int, secret: Optional[bytes] = None):
+        self.computation = computation
+        self.size = size
+        self.secret = secret if secret is not None else os.urandom(16)
+        self.states = mmap.mmap(-1, max(size, 1))
+
+    def address(self, ctx: int) -> bytes:
+        return f"\0macroflow-{self.computation}-{ctx}".encode()
+
+    def listen(self, ctx: int) -> socket.socket:
+        """A listening socket for context ``ctx``; its state becomes LISTENING."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(self.address(ctx))
+            s.listen(max(self.size, 16))  # every peer may connect before ctx accepts
+        except BaseException:
+            s.close()
+            raise
+        s.setblocking(False)
+        self.states[ctx] = LISTENING
+        return s
+
+    def hello(self, ctx: int) -> bytes:
+        return _HELLO.pack(_MAGIC, ctx, self.secret)
 
 
 def tune(sock: socket.socket) -> None:
@@ -137,7 +235,12 @@ class _Conn:
 
 
 class LocalTransport(Transport):
-    """Frames over a mesh of AF_UNIX socketpairs between forked processes.
+    """Frames over AF_UNIX stream sockets between forked processes.
+
+    ``socks`` are the connections made before the fork (peer -> socket);
+    with a ``mesh``, connections to other peers (ids 1..size-1) are made when
+    first needed, and ``listener`` (from :meth:`Mesh.listen`) accepts the
+    connections peers make to this context.
 
     Example (two ends in one process, for illustration):
         >>> import socket
@@ -155,23 +258,160 @@ class LocalTransport(Transport):
 
     name = "local"
 
-    def __init__(self, ctx: int, socks: Dict[int, socket.socket], spin_us: float = 0.0):
+    def __init__(self, ctx: int, socks: Dict[int, socket.socket], spin_us: float = 0.0,
+                 mesh: Optional[Mesh] = None, listener: Optional[socket.socket] = None):
         super().__init__()
         self.ctx = ctx
         self.spin_s = spin_us / 1e6
-        self.conns: Dict[int, _Conn] = {}
+        self.conns: Dict[int, _Conn] = {}  # peer -> the connection frames to it go on
+        self.links: Dict[int, List[_Conn]] = {}  # peer -> all its connections (at most 2)
         self.byfd: Dict[int, _Conn] = {}
+        self.gone: Set[int] = set()  # peers reported lost
         self.pending: List[_Conn] = []  # connections with queued frames
         self.pool = BufferPool()
         self.calm_until = 0.0  # no spinning before this time (we were preempted)
         self.spins_preempted = 0
-        self.ep = select.epoll()
+        self.draining = False  # in _drain: finishing a frame of our own
+        self.mesh = mesh
+        self.listener = listener
+        self.lfd = -1
+        try:
+            self.ep = select.epoll()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise nofile_error(f"start context {ctx}'s transport", e) from e
+            raise
         for peer, s in socks.items():
-            tune(s)
-            c = _Conn(peer, s)
-            self.conns[peer] = c
-            self.byfd[c.fd] = c
-            self.ep.register(c.fd, select.EPOLLIN)
+            self._add(peer, s)
+        if listener is not None:
+            listener.setblocking(False)
+            self.lfd = listener.fileno()
+            self.ep.register(self.lfd, select.EPOLLIN)
+
+    def _add(self, peer: int, sock: socket.socket) -> _Conn:
+        """Take a connection into use; peer -1: accepted, its hello not read yet."""
+        tune(sock)
+        c = _Conn(peer, sock)
+        self.byfd[c.fd] = c
+        self.ep.register(c.fd, select.EPOLLIN)
+        if peer >= 0:
+            self._know(c)
+        return c
+
+    def _know(self, c: _Conn) -> None:
+        self.links.setdefault(c.peer, []).append(c)
+        # the first connection to a peer carries every frame to it: order per pair
+        self.conns.setdefault(c.peer, c)
+
+    def peers(self) -> List[int]:
+        return [p for p, cs in self.links.items() if any(not c.closed for c in cs)]
+
+    # -- connecting on demand ----------------------------------------------
+    def _connect(self, dest: int) -> _Conn:
+        """The connection to ``dest``, made now; ConnectionError if it cannot be
+        (the peer is then reported lost, once)."""
+        mesh = self.mesh
+        if mesh is None or dest in self.gone or not 0 < dest < mesh.size or dest == self.ctx:
+            raise ConnectionError(f"no connection to context {dest}")
+        deadline = 0.0
+        pause = 0.0002
+        while True:
+            # read before connecting: LISTENING is set only once the socket listens
+            state = mesh.states[dest]
+            if state == GONE:
+                self._report(dest, "its process has ended")
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    raise nofile_error(f"connect context {self.ctx} to context {dest}", e) from e
+                raise
+            try:
+                s.setblocking(False)
+                s.connect(mesh.address(dest))
+            except (BlockingIOError, InterruptedError):
+                s.close()  # its backlog is full: it has not accepted for a while
+            except (ConnectionRefusedError, FileNotFoundError):
+                s.close()
+                if state != NOT_STARTED:
+                    self._report(dest, "its listening socket is gone (connection refused)")
+                # else: not forked yet, wait for it
+            except OSError as e:
+                s.close()
+                self._report(dest, f"connect failed: {e}")
+            else:
+                # the name is free again once its context has ended: whoever listens
+                # there now must at least be us (frames are pickles)
+                _pid, uid, _gid = _UCRED.unpack(
+                    s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                if uid != os.geteuid():
+                    s.close()
+                    self._report(dest, f"its address is held by another user (uid {uid})")
+                c = self._add(dest, s)
+                if not self._send_whole(c, mesh.hello(self.ctx)):
+                    raise ConnectionError(f"context {dest}: sending the hello failed")
+                return self.conns[dest]  # ours, unless one came in meanwhile
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + _START_WAIT
+            elif now > deadline:
+                self._report(dest, f"it did not start listening within {_START_WAIT:g} s")
+            # serve what arrives meanwhile: the peer may be connecting to us
+            for fd, _ev in self.ep.poll(pause):
+                self._event(fd)
+            pause = min(2 * pause, 0.01)
+            c = self.conns.get(dest)
+            if c is not None:
+                if c.closed:
+                    raise ConnectionError(f"no connection to context {dest}")
+                return c
+
+    def _report(self, dest: int, how: str) -> None:
+        """A peer we could not connect to is lost: say so once, then give up."""
+        if dest not in self.gone:
+            self.gone.add(dest)
+            if self.lost is not None:
+                self.lost(dest, how)
+        raise ConnectionError(f"context {dest}: {how}")
+
+    def _accept(self) -> bool:
+        got = False
+        while True:
+            try:
+                s, _ = self.listener.accept()  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                return got
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    raise nofile_error(f"accept a connection to context {self.ctx}", e) from e
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                raise
+            got = self._read(self._add(-1, s)) or got
+
+    def _hello(self, c: _Conn) -> bool:
+        """Read an accepted connection's hello; False if it is not there yet or
+        not valid (then the connection is dropped, and nobody is reported lost)."""
+        if c.re - c.rs < _HELLO.size:
+            return False
+        magic, peer, secret = _HELLO.unpack_from(c.rbuf, c.rs)
+        mesh = self.mesh
+        if (mesh is None or magic != _MAGIC or not hmac.compare_digest(secret, mesh.secret)
+                or not 0 < peer < mesh.size or peer == self.ctx or peer in self.gone):
+            self._close(c, "bad hello")
+            return False
+        c.rs += _HELLO.size
+        c.peer = peer
+        self._know(c)
+        return True
+
+    def _event(self, fd: int) -> bool:
+        c = self.byfd.get(fd)
+        if c is not None:
+            return self._read(c)
+        if fd == self.lfd:
+            return self._accept()
+        return False
 
     def address(self):
         return ("local", f"{os.uname().nodename}:{os.getpid()}")
@@ -179,7 +419,9 @@ class LocalTransport(Transport):
     # -- sending ---------------------------------------------------------
     def queue(self, dest: int, parts: Sequence[object], load: int) -> int:
         c = self.conns.get(dest)
-        if c is None or c.closed:
+        if c is None:
+            c = self._connect(dest)
+        if c.closed:
             raise ConnectionError(f"no connection to context {dest}")
         frame = _small_frame(parts, load)
         if frame is None:
@@ -217,7 +459,9 @@ class LocalTransport(Transport):
 
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:
         c = self.conns.get(dest)
-        if c is None or c.closed:
+        if c is None:
+            c = self._connect(dest)
+        if c.closed:
             raise ConnectionError(f"no connection to context {dest}")
         if c.wbuf:
             self._flush_conn(c)  # keep the order of queued frames
@@ -260,17 +504,21 @@ class LocalTransport(Transport):
         # everything that arrives meanwhile, so that two contexts sending large
         # frames to each other cannot deadlock.
         self.ep.modify(c.fd, select.EPOLLIN | select.EPOLLOUT)
+        draining, self.draining = self.draining, True
         try:
             while c.outq and not c.closed:
                 for fd, ev in self.ep.poll(1.0):
                     d = self.byfd.get(fd)
                     if d is None:
+                        if fd == self.lfd:
+                            self._accept()  # a peer that sends to us may be new
                         continue
                     if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                         self._read(d)
                     if d is c and ev & select.EPOLLOUT:
                         self._write(c)
         finally:
+            self.draining = draining
             if not c.closed:
                 self.ep.modify(c.fd, select.EPOLLIN)
 
@@ -309,6 +557,8 @@ class LocalTransport(Transport):
             c = self.byfd.get(fd)
             if c is not None:
                 got = self._read(c) or got
+            elif fd == self.lfd:
+                got = self._accept() or got
         return got
 
     def _spin(self) -> list:
@@ -360,6 +610,8 @@ class LocalTransport(Transport):
                     if n:
                         c.re += n
                         got = self._parse(c) or got
+                        if c.closed:
+                            return got
                         if n < want:
                             return got
                         continue
@@ -383,10 +635,11 @@ class LocalTransport(Transport):
         # from send() before the whole frame is written, whatever else happens,
         # so waiting for it in the kernel is safe and streams the bytes with far
         # fewer wake-ups than polling. A peer that stalls for _STALL seconds
-        # sends us back to polling.
+        # sends us back to polling. Not while we drain a frame of our own: the
+        # peer may be draining too, waiting for our bytes before it sends more.
         sock = c.sock
         big, mv = c.big, c.bigmv
-        sock.settimeout(_STALL)
+        sock.settimeout(0.0 if self.draining else _STALL)
         got = 0
         try:
             while c.bigpos < big.nbytes:  # type: ignore[union-attr]
@@ -395,7 +648,7 @@ class LocalTransport(Transport):
                     return got  # the peer closed: 0 if nothing came before
                 c.bigpos += n
                 got += n
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):
             if got == 0:
                 raise BlockingIOError from None
         finally:
@@ -409,6 +662,8 @@ class LocalTransport(Transport):
         c.rs, c.re = 0, live
 
     def _parse(self, c: _Conn) -> bool:
+        if c.peer < 0 and not self._hello(c):
+            return False
         got = False
         rbuf = c.rbuf
         deliver = self.deliver
@@ -492,15 +747,40 @@ class LocalTransport(Transport):
             c.sock.close()
         except OSError:
             pass
+        peer = c.peer
+        if peer < 0:
+            return
+        if self.listener is not None and peer not in self.gone:
+            self._accept()  # a connection the peer made may still wait in our backlog
+        links = self.links.get(peer, ())
+        for d in links:
+            if not d.closed:
+                # what the peer sent on its other connection before it closed comes first
+                self._read(d)
+        if peer in self.gone or any(not d.closed for d in links):
+            return  # reported already, or when its last connection closes
+        self.gone.add(peer)
+        if self.ctx == 0 and self.mesh is not None:
+            # context 0's socketpair closes only when the peer ends: tell everyone,
+            # so nobody waits for it to start listening
+            self.mesh.states[peer] = GONE
         if self.lost is not None:
-            self.lost(c.peer, how)
+            self.lost(peer, how)
 
     def close(self) -> None:
         try:
             self.flush()
         except Exception:
             pass
-        for c in list(self.conns.values()):
+        if self.listener is not None:
+            if self.mesh is not None:
+                self.mesh.states[self.ctx] = GONE
+            try:
+                self.ep.unregister(self.lfd)
+            except (OSError, ValueError):
+                pass
+            self.listener.close()
+        for c in [*self.conns.values(), *self.byfd.values()]:
             c.closed = True
             try:
                 c.sock.close()
