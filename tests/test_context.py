@@ -226,7 +226,7 @@ def test_destroyed_objects_leave_the_table_and_memory_stays_flat():
     def main():
         pid = mf.stats()[1]["pid"]
         rss = []
-        for _ in range(7):
+        for _ in range(8):
             cells = [Cell.create(i, on=1) for i in range(4000)]
             mf.gather([mf.destroy(c) for c in cells])
             del cells
@@ -236,8 +236,9 @@ def test_destroyed_objects_leave_the_table_and_memory_stays_flat():
         return rss, mf.stats()[1]["values_held"]
 
     rss, held = mf.run(main, contexts=2, transport="local")
-    # before objects were removed, each round of 4,000 kept ~1.6 MB more
-    assert rss[-1] - rss[2] < 2_000_000, rss
+    # before objects were removed, each round of 4,000 kept ~1.6 MB more (4.8 MB
+    # over the last three); the allocator may still grow once by a step
+    assert rss[-1] - rss[-4] < 2_500_000, rss
     assert held < 300
 
 
@@ -303,3 +304,116 @@ def test_a_call_to_an_object_id_that_never_existed_fails_and_never_waits(run):
         return mf.stats()[1]["objects"]
 
     assert run(main, contexts=2) == 1
+
+
+# -- wait cycles across contexts -----------------------------------------------
+@mf.persistent
+class Ping:
+    def setup(self, other):
+        self.other = other
+
+    def start(self):
+        return self.other.bounce().result()  # waits on the other object...
+
+    def bounce(self):
+        return self.other.reply().result()
+
+    def reply(self):
+        return "reply"
+
+
+@mf.regular
+class Middle:
+    def call_back(self, target):
+        return target.reply().result()
+
+
+@mf.persistent
+class Caller:
+    def setup(self, me):
+        self.me = me
+
+    def start(self):
+        return Middle().call_back(self.me).result()  # a regular object calls back into us
+
+    def reply(self):
+        return "reply"
+
+
+@mf.persistent
+class Slow:
+    def work(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def wait_for(self, other, seconds):
+        return other.work(seconds).result()
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_cycle_between_two_objects_fails_one_waiter_naming_the_cycle(run):
+    def main():
+        a, b = Ping.create(on=1), Ping.create(on=2)
+        a.setup(b)
+        b.setup(a)
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError) as e:
+            a.start().result(timeout=20)
+        took = time.monotonic() - t
+        # the cycle is broken: both objects serve again
+        return took, str(e.value), a.reply().result(timeout=10), b.reply().result(timeout=10)
+
+    took, text, ra, rb = run(main, contexts=3)
+    assert took < 2.0
+    assert (ra, rb) == ("reply", "reply")
+    assert "wait cycle" in text
+    assert "Ping.bounce (context 2) waits for Ping.reply (context 1)" in text
+    assert "is queued behind Ping.start (context 1)" in text
+
+
+@pytest.mark.timeout(60)
+def test_an_object_calling_a_regular_object_that_calls_it_back_is_a_cycle(run):
+    def main():
+        c = Caller.create(on=1)
+        c.setup(c)
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError, match="Middle.call_back .* Caller.reply .* Caller.start"):
+            c.start().result(timeout=20)
+        return time.monotonic() - t
+
+    assert run(main, contexts=3) < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_a_long_wait_without_a_cycle_is_not_a_deadlock():
+    # probes go out while the wait lasts and find a call that computes
+    def main():
+        s1, s2 = Slow.create(on=1), Slow.create(on=2)
+        return s1.wait_for(s2, 1.5).result(timeout=20)
+
+    assert mf.run(main, contexts=3, transport="local") == 1.5
+
+
+# -- timeouts of main on context 0 ---------------------------------------------
+@mf.regular
+class Sleeper:
+    def nap(self, seconds):
+        time.sleep(seconds)  # computes without waiting: holds its context
+        return seconds
+
+
+@pytest.mark.timeout(60)
+def test_a_timeout_of_main_is_honoured_while_context_0_has_work_of_its_own():
+    def main():
+        s = Sleeper()
+        naps = [s.nap(1.0) for _ in range(6)]  # some are placed on context 0 itself
+        t = time.monotonic()
+        with pytest.raises(mf.TimeoutError):
+            naps[-1].result(timeout=0.1)
+        took = time.monotonic() - t
+        done = mf.gather(naps, timeout=30)
+        return took, done, mf.stats()[0]["calls_executed"]
+
+    took, done, _ = mf.run(main, contexts=3, transport="local")
+    assert took < 0.3, took  # 4 s before: context 0 ran two 1-second naps meanwhile
+    assert done == [1.0] * 6

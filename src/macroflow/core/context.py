@@ -25,6 +25,9 @@ SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
 FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
           (op, traceback text), so the loss is reported with its cause
+PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
+          call fid waits for, and report a cycle if the probe comes back to
+          the initiator (edge chasing, after Chandy, Misra and Haas)
 ========  ==============================================================
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
@@ -53,7 +56,7 @@ from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, sit
 from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
-CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL = range(8)
+CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE = range(9)
 _encode = marshal._encoder.dumps
 
 # kinds of call targets
@@ -65,6 +68,8 @@ BIG_VALUE = 1 << 20  # futures of values this large are released without batchin
 EARLY_MAX = 4096  # unclaimed early values kept at most (their futures may be gone)
 EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be asked for
 PINNED, EAGER = 1, 2
+PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
+PROBE_PATH_MAX = 256  # longer wait chains are not followed
 # VALUE headers: b"V" ok ctx seq  (label (fid, None)), b"W" ok ctx seq ctx seq (an arc)
 _VGET = struct.Struct("<BBqq")
 _VARC = struct.Struct("<BBqqqq")
@@ -88,7 +93,7 @@ class Call:
     """One invocation at the context that runs it (Mentat's computation instance)."""
 
     __slots__ = ("fid", "kind", "target", "method", "args", "kwargs", "arcs", "route",
-                 "caller", "missing", "tokens", "obj", "answered", "order")
+                 "caller", "missing", "tokens", "obj", "answered", "order", "waiting")
 
     def __init__(self, fid, kind, target, method, args, kwargs, arcs, route, caller):
         self.fid = fid
@@ -105,13 +110,14 @@ class Call:
         self.obj: Any = None
         self.answered = False  # rtf already gave the result
         self.order = 0  # arrival order at its object
+        self.waiting: Optional[Future] = None  # what its thread waits for (deadlock probes)
 
 
 class Slot:
     """A result held at its home: pending, done (pickled once), or aliased elsewhere."""
 
     __slots__ = ("state", "ok", "data", "bufs", "subs", "alias", "keep", "released",
-                 "served", "expect")
+                 "served", "expect", "call")
 
     def __init__(self):
         self.state = PENDING
@@ -124,6 +130,7 @@ class Slot:
         self.released = False
         self.served = 0  # arc requests answered (or relayed)
         self.expect = 0  # arc requests the issuer announced when it released
+        self.call: Optional[Call] = None  # the invocation computing it, while it runs here
 
 
 class HostedObject:
@@ -138,7 +145,7 @@ class HostedObject:
     """
 
     __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
-                 "arrivals", "busy", "state", "error", "label", "guarded")
+                 "arrivals", "busy", "state", "error", "label", "guarded", "running")
 
     def __init__(self, oid, label):
         self.oid = oid
@@ -151,6 +158,7 @@ class HostedObject:
         self.queued = 0  # calls waiting in lanes, ready and gready
         self.arrivals = 0
         self.busy = False
+        self.running: Optional[Call] = None
         self.state = "new"  # new -> live | broken -> destroyed; missing: never created here
         self.error: Optional[BaseException] = None
         self.label = label
@@ -236,6 +244,11 @@ class Engine:
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
         self.fatal: Dict[int, str] = {}  # peers that reported an internal error before ending
+        # method threads waiting on a future: fid -> (call, future, waiter, since)
+        self.blocked: Dict[Any, Tuple[Call, Future, Waiter, float]] = {}
+        self.blocked_version = 0  # changes whenever a wait starts or ends
+        self.next_probe = 0.0
+        self.timed_wait = False  # main waits with a timeout: start no regular call here
         self.loads = [0] * size
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
@@ -436,17 +449,30 @@ class Engine:
                     f"({site_label(f._site) or 'a method'}); a persistent object runs one method at a "
                     f"time, so that call can never start. Return the future instead "
                     f"(elaboration) or restructure the method.")
-            waiter = Waiter(w.engine, w)
+            eng = w.engine
+            waiter = Waiter(eng, w)
             f._waiters.append(waiter)
             if timeout is not None:
-                w.engine.add_timer(timeout, waiter)
-            r = w.engine.park()
+                eng.add_timer(timeout, waiter)
+            if call is not None:
+                self._block(call, f, waiter)
+            try:
+                r = eng.park()
+            finally:
+                if call is not None:
+                    self._unblock(call)
             if r is _TIMEOUT and f._state != FINISHED:
                 try:
                     f._waiters.remove(waiter)
                 except ValueError:
                     pass
                 raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
+            if type(r) is errors.DeadlockError:
+                try:
+                    f._waiters.remove(waiter)
+                except ValueError:
+                    pass
+                raise r
             return
         if self.in_inline:
             raise errors.DeadlockError(
@@ -457,7 +483,12 @@ class Engine:
                 step(None)
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.driver.run_until(lambda: f._state == FINISHED, deadline):
+        timed, self.timed_wait = self.timed_wait, deadline is not None
+        try:
+            done = self.driver.run_until(lambda: f._state == FINISHED, deadline)
+        finally:
+            self.timed_wait = timed
+        if not done:
             raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
 
     def park(self) -> Any:
@@ -489,11 +520,16 @@ class Engine:
     def step(self, timeout: Optional[float]) -> None:
         if self.n_releases >= RELEASE_BATCH:
             self.flush_releases()
+        if self.blocked and time.monotonic() >= self.next_probe:
+            self.probe_blocked()
         if self.inbox or self.ready:
             self.process()
             return
         if self.timers:
             left = self.timers[0][0] - time.monotonic()
+            timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
+        if self.blocked:
+            left = self.next_probe - time.monotonic()
             timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
         self.transport.poll(timeout)
         self.process()
@@ -572,16 +608,20 @@ class Engine:
             self.stopping = True
         elif op == FATAL:
             self.fatal[src] = msg[1]
+        elif op == PROBE:
+            self._on_probe(msg[1], msg[2], msg[3])
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
         call = Call(fid, kind, target, method, args, kwargs, arcs, route, caller)
+        slot = self.slots.get(fid)
+        if slot is None:
+            slot = self.slots[fid] = Slot()
+        slot.call = call
         if src == fid[0] and fid[1] > self.seen.get(src, 0):
             self.seen[src] = fid[1]
             if self.unborn and src in self.unborn:
                 self._check_unborn(src)
-        if fid not in self.slots:
-            self.slots[fid] = Slot()
         if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg, src):
             return
         if src != self.id:
@@ -624,7 +664,7 @@ class Engine:
                 _enqueue(obj, call)
             self._pump(obj)
         elif call.missing == 0:
-            self.spawn(self._run_free, call)
+            self._start_free(call)
 
     def _unknown_object(self, oid, call: Call, target) -> HostedObject:
         obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
@@ -660,6 +700,35 @@ class Engine:
                 del self.tombstones[next(iter(self.tombstones))]
             self.tombstones[obj.oid] = obj.label
 
+    def _start_free(self, call: Call) -> None:
+        if self.timed_wait and call.kind == REGULAR and not call.route & PINNED \
+                and self._offload(call):
+            return
+        self.spawn(self._run_free, call)
+
+    def _offload(self, call: Call) -> bool:
+        """Main waits here with a timeout: a regular call that could run anywhere
+        goes to another context, so that it cannot hold main past its deadline."""
+        dest = self.placement.choose(self, exclude=self.id)
+        if dest is None or dest == self.id:
+            return False
+        try:
+            args, kwargs = self._args(call)
+        except BaseException:
+            return False  # an argument failed: failing the call here is quick
+        route = (call.route & EAGER) | PINNED
+        self.send(dest, (CALL, call.fid, call.kind, call.target, call.method, args, kwargs,
+                         None, route, call.caller))
+        self.active -= 1
+        self.loads[dest] += 1
+        self.stats.calls_transferred += 1
+        slot = self.slots[call.fid]
+        slot.call = None
+        self._alias(call.fid, slot, call.fid, dest, None)
+        if route & EAGER:
+            slot.subs.append((call.fid[0], (call.fid, None)))
+        return True
+
     def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
         pl = self.placement
         hops = msg[8] >> 2
@@ -672,6 +741,7 @@ class Engine:
         if src == self.id:
             self.active -= 1
         slot = self.slots[call.fid]
+        slot.call = None
         fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9])
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
@@ -747,13 +817,13 @@ class Engine:
     def _run_object(self, obj: HostedObject, call: Call) -> None:
         g = getcurrent()
         while call is not None:
-            g.call = call
+            g.call = obj.running = call
             if obj.state == "live" and call.kind == PERSISTENT and call.method != DESTROY:
                 # the common case, one call deep: a method of a live object
                 self._invoke(getattr(obj.instance, call.method, None), call)
             else:
                 self._execute_on_object(obj, call)
-            g.call = None
+            g.call = obj.running = None
             call = self._pick(obj) if obj.queued else None
         obj.busy = False
         if obj.state in _GONE and not obj.queued:
@@ -908,17 +978,19 @@ class Engine:
         self._finish(call, True, value, keep_running=True)
 
     def _finish(self, call: Call, ok: bool, value: Any, keep_running: bool = False) -> None:
+        slot = self.slots.get(call.fid)
         if not keep_running:
             self.active -= 1
             if call.tokens:
                 call.tokens = None
+            if slot is not None:
+                slot.call = None
         if call.answered:
             if not ok:
                 traceback.print_exception(type(value), value, value.__traceback__)
             return
         call.answered = True
         fid = call.fid
-        slot = self.slots.get(fid)
         if slot is None:
             slot = self.slots[fid] = Slot()
         if ok and type(value) is Future:
@@ -1080,7 +1152,7 @@ class Engine:
                         del obj.lanes[call.caller]
             self._pump(obj)
         else:
-            self.spawn(self._run_free, call)
+            self._start_free(call)
 
     def _on_ready(self, fid) -> None:
         ref = self.eager.pop(fid, None)
@@ -1123,6 +1195,111 @@ class Engine:
         if kind == "export":
             return self.exports.get(ident)
         return self
+
+    # ------------------------------------------------------------------ deadlocks
+    def _block(self, call: Call, f: Future, waiter: Waiter) -> None:
+        call.waiting = f
+        now = time.monotonic()
+        if not self.blocked:
+            self.next_probe = now + PROBE_AFTER
+        self.blocked[call.fid] = (call, f, waiter, now)
+        self.blocked_version += 1
+
+    def _unblock(self, call: Call) -> None:
+        call.waiting = None
+        self.blocked.pop(call.fid, None)
+        self.blocked_version += 1
+
+    def probe_blocked(self, force: bool = False) -> None:
+        """Send a deadlock probe for every method thread that has waited at
+        least PROBE_AFTER seconds (every one, with ``force``); nothing is sent
+        while waits are short."""
+        now = time.monotonic()
+        self.next_probe = now + PROBE_AFTER
+        for fid, (call, f, _, since) in list(self.blocked.items()):
+            if force or now - since >= PROBE_AFTER:
+                path = [(fid, _call_label(call), self.id, "waits for")]
+                self._probe(fid, f._fid, f._home, path)
+
+    def _probe(self, init, fid, home: int, path: list) -> None:
+        if home == self.id:
+            self._on_probe(init, fid, path)
+        elif home not in self.lost and len(path) < PROBE_PATH_MAX:
+            self.send(home, (PROBE, init, fid, path))
+
+    def _on_probe(self, init, fid, path: list) -> None:
+        # Follow what the call `fid` waits for, in a loop over the calls of this
+        # context; each edge leaving it goes on as a message.
+        todo = [(fid, path)]
+        visited = set()
+        while todo:
+            fid, path = todo.pop()
+            while fid not in visited:
+                visited.add(fid)
+                slot = self.slots.get(fid)
+                if slot is None or slot.state == FINISHED:
+                    break
+                if slot.alias is not None:
+                    to_fid, home = slot.alias
+                    if home != self.id:
+                        self._probe(init, to_fid, home, path)
+                        break
+                    fid = to_fid
+                    continue
+                call = slot.call
+                if call is None:
+                    break
+                if call.fid == init:
+                    self._cycle(init, path)
+                    break
+                if len(path) >= PROBE_PATH_MAX:
+                    break
+                label = _call_label(call)
+                f = call.waiting
+                if f is not None:  # its thread waits for a future
+                    path = path + [(call.fid, label, self.id, "waits for")]
+                    if f._home != self.id:
+                        self._probe(init, f._fid, f._home, path)
+                        break
+                    fid = f._fid
+                    continue
+                obj = call.obj
+                if obj is not None and obj.running is call:
+                    break  # it computes: no cycle through it
+                if call.missing:  # it waits for arguments: follow each producer
+                    path = path + [(call.fid, label, self.id, "waits for an argument from")]
+                    for lab, home in call.arcs or ():
+                        if self.awaiting.get(lab) is call:
+                            if home == self.id:
+                                todo.append((lab[0], path))
+                            else:
+                                self._probe(init, lab[0], home, path)
+                    break
+                if obj is None:
+                    break
+                lane = obj.lanes.get(call.caller)
+                ahead = lane[0] if lane and lane[0] is not call else obj.running if obj.busy else None
+                if ahead is None:
+                    break  # a guard that does not hold, or about to run
+                path = path + [(call.fid, label, self.id, "is queued behind")]
+                fid = ahead.fid
+
+    def _cycle(self, init, path: list) -> None:
+        # Every waiter of a cycle probes, and every probe that comes back finds
+        # the same cycle: only the waiter with the highest id fails, so exactly
+        # one does and the others go on once it has.
+        waiters = [p[0] for p in path if p[3] == "waits for"]
+        entry = self.blocked.get(init)
+        if entry is None or init != max(waiters):
+            return
+        hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{path[0][1]} (context {path[0][2]})"]
+        text = hops[0]
+        for i, p in enumerate(path):
+            text += f"{', which' if i else ''} {p[3]} {hops[i + 1]}"
+        err = errors.DeadlockError(f"wait cycle: {text}; this wait fails so that the others can "
+                                   f"go on")
+        err.cycle = [(p[1], p[2]) for p in path]
+        entry[2].wake(err)
 
     # ------------------------------------------------------------------ lost peers
     def peer_lost(self, peer: int, how: str) -> None:

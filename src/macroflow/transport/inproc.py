@@ -74,6 +74,7 @@ class World:
     def __init__(self) -> None:
         self.transports: Dict[int, InprocTransport] = {}
         self.engines: List[object] = []
+        self.probed: tuple = ()  # the waits last probed for a cycle when all stalled
 
     def run_until(self, pred, deadline: Optional[float] = None) -> bool:
         while not pred():
@@ -84,6 +85,14 @@ class World:
                     eng.process()  # type: ignore[attr-defined]
                     progressed = True
             if progressed:
+                continue
+            # Stalled. Method threads that wait may be in a wait cycle: probe
+            # them now rather than after a while (once per set of waits).
+            waits = tuple(e.blocked_version for e in self.engines)  # type: ignore[attr-defined]
+            if waits != self.probed and any(e.blocked for e in self.engines):  # type: ignore[attr-defined]
+                self.probed = waits
+                for eng in self.engines:
+                    eng.probe_blocked(force=True)  # type: ignore[attr-defined]
                 continue
             timers = [e.timers[0][0] for e in self.engines if e.timers]  # type: ignore[attr-defined]
             now = time.monotonic()
