@@ -139,6 +139,9 @@ def test_other_threads_are_refused(run):
             "wait": lambda: mf.wait([f]),
             "stats": mf.stats,
             "context_id": mf.context_id,
+            "result": lambda: f.result(),
+            "exception": lambda: f.exception(),
+            "callback": lambda: f.add_done_callback(print),
         }
         refused = {}
 
@@ -154,9 +157,9 @@ def test_other_threads_are_refused(run):
         t.join()
         assert sorted(refused) == sorted(attempts), refused
         assert all("thread" in msg for msg in refused.values())
-        return f.result(), m.square(5).result()  # the computation is unharmed
+        return m.square(5).result(), f.result()  # the computation is unharmed
 
-    assert run(main, contexts=2) == (4, 25)
+    assert run(main, contexts=2) == (25, 4)
 
 
 class LockedError(Exception):

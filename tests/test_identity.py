@@ -223,3 +223,15 @@ def test_awaiting_a_future_of_an_ended_computation(transport):
     with pytest.raises(mf.StaleReference) as e:
         asyncio.run(amain())
     _stale_message(e.value, s.computation, None)
+
+
+def test_gather_and_wait_on_futures_of_an_ended_computation_name_it(transport):
+    kept = []
+
+    def main():
+        kept.append(Echo().echo(3))  # never asked for while the computation ran
+
+    mf.run(main, contexts=2, transport=transport)
+    for op in (lambda: mf.gather(kept), lambda: mf.wait(kept)):
+        with pytest.raises(mf.StaleReference, match="which has ended"):
+            op()

@@ -398,3 +398,35 @@ def test_cancelled_await_leaves_the_future_usable(transport):
 
     with mf.init(contexts=2, transport=transport):
         assert asyncio.run(amain()) == "later"
+
+
+@mf.persistent
+class Cleans:
+    def __init__(self, log):
+        self.log = log
+
+    async def __mf_destroy__(self):
+        await self.log.add("cleaned")  # a coroutine hook runs to its end
+
+
+@mf.persistent
+class Log:
+    def __init__(self):
+        self.items = []
+
+    def add(self, x):
+        self.items.append(x)
+
+    def read(self):
+        return self.items
+
+
+@pytest.mark.timeout(60)
+def test_a_coroutine_destroy_hook_is_awaited(run):
+    def main():
+        log = Log.create(on=1)
+        c = Cleans.create(log, on=2)
+        mf.destroy(c).result()
+        return mf.gather([log.read() for _ in range(1)])[0]
+
+    assert run(main, contexts=3) == ["cleaned"]

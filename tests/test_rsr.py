@@ -176,3 +176,21 @@ def test_call_after_rsrs_to_the_same_context_sees_them(run):
         return first, second
 
     assert run(main, contexts=3) == (list(range(5)), list(range(5)))
+
+
+def _touch(box, x):
+    box.append(x)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_for_a_pointer_that_names_nothing_is_reported_not_run(run, capfd):
+    def main():
+        box = []
+        g = mf.export(box)
+        mf.unexport(g)
+        mf.rsr(g, _touch, 1)  # to this context: nothing is registered under g
+        mf.stats()
+        return box, mf.stats()[0]["rsr_dropped"], mf.stats()[0]["rsr_executed"]
+
+    assert run(main, contexts=2) == ([], 1, 0)
+    assert "was not run: nothing is there" in capfd.readouterr().err

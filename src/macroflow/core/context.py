@@ -75,6 +75,7 @@ _VGET = struct.Struct("<BBqq")
 _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
 _TIMEOUT = object()
+_MISSING = object()
 
 
 class Arc:
@@ -385,6 +386,9 @@ class Engine:
         """Ask a future's home for its value (once)."""
         if f._engine.closed:
             raise stale_future(f)
+        if threading.get_ident() != self.thread:
+            raise RuntimeError("a macroflow future was used from a thread other than the one "
+                               "that started the computation; use it from that thread")
         if f._asked or f._state == FINISHED:
             return
         f._asked = True
@@ -859,7 +863,9 @@ class Engine:
             self._finish(call, True, None)
             if hook is not None:
                 try:
-                    hook()
+                    r = hook()
+                    if isinstance(r, CoroutineType):
+                        run_coroutine(r)
                 except Exception:
                     traceback.print_exc()
             return
@@ -1167,6 +1173,13 @@ class Engine:
     def _on_rsr(self, msg) -> None:
         _, gid, handler, args, thread = msg
         target = self.resolve(gid)
+        if target is _MISSING:
+            self.stats.rsr_dropped += 1
+            name = getattr(handler, "__qualname__", repr(handler))
+            print(f"macroflow: context {self.id}: remote service request {name} for "
+                  f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
+                  f"or its object destroyed)", file=sys.stderr)
+            return
         if thread == "inline":
             self.in_inline = True
             try:
@@ -1191,9 +1204,9 @@ class Engine:
         kind, ident = gid
         if kind == "object":
             obj = self.objects.get(ident)
-            return obj.instance if obj is not None else None
+            return obj.instance if obj is not None and obj.state == "live" else _MISSING
         if kind == "export":
-            return self.exports.get(ident)
+            return self.exports.get(ident, _MISSING)
         return self
 
     # ------------------------------------------------------------------ deadlocks

@@ -166,7 +166,11 @@ class Future:
             fn(self)
             return
         self._callbacks.append(fn)
-        self._engine.request_value(self)
+        try:
+            self._engine.request_value(self)
+        except BaseException:
+            self._callbacks.remove(fn)  # refused (another thread, an ended computation)
+            raise
 
     @property
     def home(self) -> int:
@@ -435,8 +439,7 @@ class LoopDriver:
         self.loop = loop
         world = engine.driver
         self.engines = list(world.engines) if world is not engine else [engine]
-        ep = getattr(engine.transport, "ep", None) if world is engine else None
-        self.fd: Optional[int] = ep.fileno() if ep is not None else None
+        self.fd: Optional[int] = engine.transport.fileno() if world is engine else None
         self.waiters: List[Any] = []
         self.reading = False
         self.next: Any = None  # the scheduled turn
@@ -491,8 +494,11 @@ class LoopDriver:
             return
         delay = None if self.fd is not None else POLL_S
         for eng in self.engines:
-            if eng.timers:
-                left = max(0.0, eng.timers[0][0] - time.monotonic())
+            due = [eng.timers[0][0]] if eng.timers else []
+            if eng.blocked:
+                due.append(eng.next_probe)  # deadlock probes of its method threads
+            if due:
+                left = max(0.0, min(due) - time.monotonic())
                 delay = left if delay is None else min(delay, left)
         if delay is not None:
             self._schedule(delay)

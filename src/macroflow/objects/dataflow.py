@@ -6,9 +6,20 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..core.context import SYSTEM, current_engine
-from ..core.future import CallSite, Future
+from ..core.future import CallSite, Future, stale_future
 
 _STATS_SITE = CallSite("stats")
+
+
+def _engine_for(fs: List[Future]) -> Any:
+    # futures of an ended computation say so, rather than "not running"
+    try:
+        return current_engine()
+    except RuntimeError:
+        for f in fs:
+            if f._engine.closed:
+                raise stale_future(f) from None
+        raise
 
 
 def _left(deadline: Optional[float]) -> Optional[float]:
@@ -34,7 +45,7 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
     fs = [f for f in futures if isinstance(f, Future)]
     if not fs:
         return [], []
-    eng = current_engine()
+    eng = _engine_for(fs)
     for f in fs:
         eng.request_value(f)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -64,7 +75,7 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
         [9, 10, 16]
     """
     items = list(futures)
-    eng = current_engine()
+    eng = _engine_for([f for f in items if isinstance(f, Future)])
     for f in items:
         if isinstance(f, Future):
             eng.request_value(f)

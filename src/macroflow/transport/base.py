@@ -71,6 +71,11 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the transport's resources; peers see the connection close."""
 
+    def fileno(self) -> Optional[int]:
+        """A descriptor that becomes readable when frames arrive (for an event
+        loop to watch), or None where there is none to watch."""
+        return None
+
     def peers(self) -> Optional[List[int]]:
         """The contexts this one has a connection to now, or None where every
         context is reachable at no cost (a transport that connects on demand

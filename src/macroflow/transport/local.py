@@ -303,6 +303,9 @@ class LocalTransport(Transport):
         # the first connection to a peer carries every frame to it: order per pair
         self.conns.setdefault(c.peer, c)
 
+    def fileno(self) -> int:
+        return self.ep.fileno()
+
     def peers(self) -> List[int]:
         return [p for p, cs in self.links.items() if any(not c.closed for c in cs)]
 
