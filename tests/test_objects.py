@@ -1,4 +1,4 @@
-"""Mentat parallel objects: the semantics the issue lists, on every transport."""
+"""Mentat parallel objects: calls, futures, guards, rtf, placement and errors, on every transport."""
 
 import threading
 
