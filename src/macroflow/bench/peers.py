@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 import macroflow as mf
+from macroflow.bench.micro import _fmt as _fmt_number
 
 PEERS = ("ray", "dask", "mpi4py")
 SYSTEMS = ("macroflow", "ray", "dask", "ppe", "mpi4py")
@@ -689,18 +690,7 @@ def run(quick: bool = False, peers: Optional[Iterable[str]] = None,
 
 
 def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    a = abs(v)
-    if a >= 1000:
-        return f"{v:,.0f}"
-    if a >= 100:
-        return f"{v:.0f}"
-    if a >= 10:
-        return f"{v:.1f}"
-    if a >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3f}"
+    return "n/a" if v is None else _fmt_number(v)  # a peer that lacks the operation
 
 
 def _columns(res: Dict[str, Any]) -> List[str]:
