@@ -459,12 +459,12 @@ class Engine:
             if timeout is not None:
                 eng.add_timer(timeout, waiter)
             if call is not None:
-                self._block(call, f, waiter)
+                eng._block(call, f, waiter)
             try:
                 r = eng.park()
             finally:
                 if call is not None:
-                    self._unblock(call)
+                    eng._unblock(call)
             if r is _TIMEOUT and f._state != FINISHED:
                 try:
                     f._waiters.remove(waiter)
