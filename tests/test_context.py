@@ -417,3 +417,89 @@ def test_a_timeout_of_main_is_honoured_while_context_0_has_work_of_its_own():
     took, done, _ = mf.run(main, contexts=3, transport="local")
     assert took < 0.3, took  # 4 s before: context 0 ran two 1-second naps meanwhile
     assert done == [1.0] * 6
+
+
+# -- user code that breaks the engine's assumptions ------------------------------
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("reduce boom")
+
+
+@mf.persistent
+class Odd:
+    def __init__(self):
+        self.log = []
+
+    @mf.guard(lambda self: __import__("numpy").array([True, False]))
+    def ambiguous(self):
+        return "ran"
+
+    def weird_result(self):
+        return Unpicklable()
+
+    def echo(self, x):
+        return "got it"
+
+    def ok(self):
+        return "alive"
+
+
+@pytest.mark.timeout(60)
+def test_a_guard_without_a_truth_value_fails_only_its_call(run):
+    def main():
+        o, neighbour = Odd.create(on=1), Odd.create(on=1)
+        with pytest.raises(ValueError, match="truth value"):
+            o.ambiguous().result(timeout=10)
+        return o.ok().result(timeout=10), neighbour.ok().result(timeout=10)
+
+    assert run(main, contexts=2) == ("alive", "alive")
+
+
+@pytest.mark.timeout(60)
+def test_a_result_or_argument_whose_pickling_raises_anything_is_a_call_error(run):
+    def main():
+        o = Odd.create(on=1)
+        with pytest.raises(mf.CallError, match="could not be pickled: reduce boom"):
+            o.weird_result().result(timeout=10)
+        with pytest.raises(mf.CallError, match="cannot send the arguments.*reduce boom"):
+            o.echo(Unpicklable())
+        return o.ok().result(timeout=10)
+
+    assert run(main, contexts=2) == "alive"
+
+
+@pytest.mark.timeout(60)
+def test_bad_timeouts_are_refused_alike_on_every_transport(run):
+    import math
+
+    def main():
+        f = Odd.create(on=1).ok()
+        for bad, err in (("1", TypeError), (True, TypeError), (-1, ValueError),
+                         (math.nan, ValueError)):
+            with pytest.raises(err, match="timeout must be a number of seconds"):
+                f.result(timeout=bad)
+        return f.result(timeout=math.inf), f.result(timeout=1e300)
+
+    assert run(main, contexts=2) == ("alive", "alive")
+
+
+@mf.persistent
+class BadHook:
+    def __mf_destroy__(self):
+        raise OSError("could not flush")
+
+    def ok(self):
+        return 1
+
+
+@pytest.mark.timeout(60)
+def test_a_destroy_hook_that_raises_fails_the_destroy_and_the_object_is_gone(run):
+    def main():
+        b = BadHook.create(on=1)
+        with pytest.raises(OSError, match="could not flush"):
+            mf.destroy(b).result(timeout=10)
+        with pytest.raises(mf.ObjectDestroyed):
+            b.ok().result(timeout=10)
+        return mf.stats()[1]["objects"]
+
+    assert run(main, contexts=2) == 0

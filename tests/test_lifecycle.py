@@ -320,3 +320,78 @@ def test_calls_from_another_thread_are_refused():
 
     errs = mf.run(main, contexts=2, transport="inproc")
     assert len(errs) == 1 and "thread" in errs[0]
+
+
+CTRL_C_COMPUTING = """
+import macroflow as mf, os, sys, time
+
+@mf.regular
+class Busy:
+    def spin(self, seconds):
+        print("computing", flush=True)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # computes without waiting: holds context 0
+            pass
+        return "finished"
+
+def main():
+    pids = [mf.stats()[c]["pid"] for c in range(1, 3)] if sys.argv[1] == "local" else []
+    print(" ".join(map(str, pids)), flush=True)
+    return Busy.create(on=0).spin(30).result()
+
+print(mf.run(main, contexts=3, transport=sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("transport", ["local", "inproc"])
+def test_ctrl_c_while_context_0_computes_ends_the_program(tmp_path, transport):
+    proc = subprocess.Popen([sys.executable, _script(tmp_path, CTRL_C_COMPUTING), transport],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kids = [psutil.Process(int(p)) for p in proc.stdout.readline().split()]
+        assert proc.stdout.readline().strip() == "computing"
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        took = time.monotonic() - t
+        assert "finished" not in out
+        assert "KeyboardInterrupt" in err
+        assert "macroflow: interrupted (Ctrl-C); all 3 contexts were stopped" in err
+        assert took < 3.0, took  # the method's 30 s are not waited for
+        gone, alive = psutil.wait_procs(kids, timeout=10)
+        assert alive == []
+    finally:
+        _stop(proc)
+
+
+def test_ctrl_c_under_macroflow_run_exits_130_without_a_traceback(tmp_path):
+    script = _script(tmp_path, CTRL_C_COMPUTING.replace(
+        "print(mf.run(main, contexts=3, transport=sys.argv[1]))", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "macroflow", "run", "-n", "3", script, "local"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdout.readline()
+        assert proc.stdout.readline().strip() == "computing"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130
+        assert "interrupted" in err and "Traceback" not in err
+    finally:
+        _stop(proc)
+
+
+@mf.persistent
+class Ender:
+    def end(self):
+        mf.shutdown()
+
+
+def test_shutdown_is_refused_inside_a_method_and_inside_main_of_run(run):
+    def main():
+        with pytest.raises(RuntimeError, match="inside a method"):
+            Ender.create(on=1).end().result(timeout=10)
+        with pytest.raises(RuntimeError, match="inside the main function of mf.run"):
+            mf.shutdown()
+        return mf.context_id()  # still running
+
+    assert run(main, contexts=2) == 0

@@ -44,7 +44,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not callable(main):
         raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
     sys.argv = [args.script, *args.args]
-    result = mf.run(main, contexts=args.n, transport=args.transport, placement=args.placement)
+    try:
+        result = mf.run(main, contexts=args.n, transport=args.transport, placement=args.placement)
+    except KeyboardInterrupt:
+        return 130  # mf.run has said what happened; the shell's code for SIGINT
     if result is not None:
         print(result)
     return 0

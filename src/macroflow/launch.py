@@ -125,6 +125,7 @@ class Session:
         self.pids: Dict[int, int] = {}
         self.reaped: Dict[int, int] = {}
         self.closed = False
+        self.in_run = False  # started by run(): its main may not call shutdown()
         self.engine: Optional[Engine] = None
         self.world: Any = None
         self.started = time.perf_counter()
@@ -224,8 +225,11 @@ class Session:
             time.sleep(0.001)
 
     # -- teardown --------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, grace: float = 2.0) -> None:
         """Stop every context and wait for their processes; idempotent.
+
+        Contexts get ``grace`` seconds to leave by themselves (one that
+        computes cannot), then they are killed.
 
         Example:
             >>> import macroflow as mf
@@ -251,7 +255,7 @@ class Session:
                             eng.send(c, (SHUTDOWN,))
                         except Exception:
                             pass
-                deadline = time.monotonic() + 2.0
+                deadline = time.monotonic() + grace
                 for c, pid in self.pids.items():
                     if c in self.reaped:
                         continue
@@ -288,8 +292,9 @@ class Session:
     def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # after Ctrl-C, waiting long for contexts that compute helps nobody
+        self.close(grace=0.2 if exc_type is KeyboardInterrupt else 2.0)
 
 
 def new_computation_id() -> str:
@@ -429,15 +434,40 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
 def shutdown() -> None:
     """Tear down the running computation, if any.
 
+    For computations started with :func:`init`, from the program that
+    started them: a method cannot end the computation it runs in, and
+    ``main`` of :func:`run` ends it by returning.
+
+    Raises:
+        RuntimeError: called inside a method of a parallel object, or inside
+            the main function of :func:`run`.
+
     Example:
         >>> import macroflow as mf
         >>> mf.shutdown()   # nothing running: does nothing
     """
+    from .core.threads import Worker, getcurrent
+    if isinstance(getcurrent(), Worker):
+        raise RuntimeError("mf.shutdown() was called inside a method: a method cannot end the "
+                           "computation it runs in; return, and let the program that started "
+                           "it end it")
     for s in list(_sessions):
+        if s.in_run and not _exiting:
+            raise RuntimeError("mf.shutdown() was called inside the main function of mf.run(): "
+                               "return from main instead; mf.run ends the computation then")
         s.close()
 
 
-atexit.register(shutdown)
+_exiting = False
+
+
+def _shutdown_at_exit() -> None:
+    global _exiting
+    _exiting = True
+    shutdown()
+
+
+atexit.register(_shutdown_at_exit)
 
 
 def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, transport: str = "local",
@@ -460,8 +490,15 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, tr
         41
     """
     from .core.future import Future
-    with init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us):
-        result = main(*args, **kwargs)
-        if isinstance(result, Future):  # main handed its place on: wait here
-            result = result.result()
-        return result
+    session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us)
+    session.in_run = True
+    try:
+        with session:
+            result = main(*args, **kwargs)
+            if isinstance(result, Future):  # main handed its place on: wait here
+                result = result.result()
+            return result
+    except KeyboardInterrupt:
+        print(f"macroflow: interrupted (Ctrl-C); all {session.size} contexts were stopped",
+              file=sys.stderr)
+        raise

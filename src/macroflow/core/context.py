@@ -36,6 +36,8 @@ The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 from __future__ import annotations
 
 import array
+import math
+import numbers
 import bisect
 import copy
 import heapq
@@ -50,6 +52,8 @@ import traceback
 import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import greenlet
 
 from . import errors, marshal
 from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, site_label, stale_future
@@ -76,6 +80,8 @@ _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
 _TIMEOUT = object()
 _MISSING = object()
+# what a method's error handling must let through: Ctrl-C, and the end of a thread
+_INTERRUPTS = (KeyboardInterrupt, greenlet.GreenletExit)
 
 
 class Arc:
@@ -328,7 +334,7 @@ class Engine:
                                   caller))
         except errors.StaleReference:
             raise  # a future of another computation inside the arguments: as it is
-        except marshal.PICKLE_ERRORS as e:
+        except Exception as e:  # a __reduce__ may raise anything
             raise errors.CallError(
                 f"cannot send the arguments of {site_label(site) or method}: "
                 f"{type(e).__name__}: {e}") from e
@@ -441,6 +447,8 @@ class Engine:
 
     # ------------------------------------------------------------------ waiting
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         self.request_value(f)
         if f._state == FINISHED:
             return
@@ -795,10 +803,14 @@ class Engine:
                 st.calls_examined += 1
                 st.guards_evaluated += 1
                 try:
+                    # bool() here: a value without a truth value (a numpy array) fails the call
                     if meth.__mf_guard_args__:
-                        ok = guard(obj.instance, *self._fill(call.args, call), **self._fill_kw(call))
+                        ok = bool(guard(obj.instance, *self._fill(call.args, call),
+                                        **self._fill_kw(call)))
                     else:
-                        ok = guard(obj.instance)
+                        ok = bool(guard(obj.instance))
+                except _INTERRUPTS:
+                    raise
                 except BaseException as e:  # a failing guard fails its call
                     del gready[i]
                     obj.queued -= 1
@@ -841,6 +853,8 @@ class Engine:
                 args, kwargs = self._args(call)
                 inst = cls.__new__(cls)
                 inst.__init__(*args, **kwargs)
+            except _INTERRUPTS:
+                raise
             except BaseException as e:
                 obj.state, obj.error = "broken", e
                 self._finish(call, False, e)
@@ -860,14 +874,17 @@ class Engine:
             obj.state = "destroyed"
             inst, obj.instance = obj.instance, None
             hook = getattr(inst, "__mf_destroy__", None)
-            self._finish(call, True, None)
+            ok, err = True, None
             if hook is not None:
                 try:
                     r = hook()
                     if isinstance(r, CoroutineType):
                         run_coroutine(r)
-                except Exception:
-                    traceback.print_exc()
+                except _INTERRUPTS:
+                    raise
+                except BaseException as e:  # the object is gone all the same
+                    ok, err = False, e
+            self._finish(call, ok, err)
             return
         self._invoke(getattr(obj.instance, call.method, None), call)
 
@@ -899,6 +916,8 @@ class Engine:
                 try:
                     inst = cls.__mf_new__(cls)
                     inst.__init__(*cargs, **ckw)
+                except _INTERRUPTS:
+                    raise
                 except BaseException as e:
                     self._finish(call, False, e)
                     return
@@ -919,6 +938,8 @@ class Engine:
             value = fn(*pre, *args, **kwargs)
             if type(value) is CoroutineType:  # an async def method: run it here
                 value = run_coroutine(value)
+        except _INTERRUPTS:
+            raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
             self.stats.calls_executed += 1
             self._finish(call, False, e)
@@ -949,7 +970,7 @@ class Engine:
             try:
                 data, bufs = _encode(value)
                 return True, data, bufs
-            except marshal.PICKLE_ERRORS as e:
+            except Exception as e:  # a __reduce__ may raise anything
                 value = errors.CallError(
                     f"the result ({type(value).__name__}) could not be pickled: {e}")
         value = _portable_exception(value, self.id)
@@ -1379,7 +1400,9 @@ class Engine:
         traceback.print_exception(type(exc), exc, exc.__traceback__)
         if call is None:
             return
-        if not call.answered:
+        slot = self.slots.get(call.fid)
+        if not call.answered or (slot is not None and slot.state != FINISHED and slot.alias is None):
+            call.answered = False  # it may have failed in the middle of answering
             err = errors.MacroflowError(
                 f"internal error of macroflow on context {self.id} while running "
                 f"{_call_label(call)}: {type(exc).__name__}: {exc}")
@@ -1403,6 +1426,27 @@ class Engine:
         if pool is not None:
             d.update(buffers_reused=pool.reused, buffer_pool_bytes=pool.held)
         return d
+
+
+def check_timeout(timeout: Any) -> Optional[float]:
+    """A timeout in seconds as a float, None for none (``math.inf`` too);
+    anything else is refused with an error that names it.
+
+    Example:
+        >>> check_timeout(2), check_timeout(math.inf), check_timeout(0)
+        (2.0, None, 0.0)
+        >>> check_timeout(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout must be a number of seconds >= 0, or None; got -1
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds, or None; got {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0, or None; got {timeout!r}")
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def _pack_release(items) -> bytes:

@@ -51,8 +51,8 @@ class Worker(greenlet.greenlet):
             fn, args = task
             try:
                 fn(*args)
-            except greenlet.GreenletExit:
-                raise
+            except (greenlet.GreenletExit, KeyboardInterrupt):
+                raise  # the end of this thread, or Ctrl-C: the engine's root gets it
             except BaseException as e:  # the engine's own bug: report, keep serving
                 self.engine.internal_error(self.call, e)
             self.call = None
