@@ -256,6 +256,7 @@ class Engine:
         self.blocked_version = 0  # changes whenever a wait starts or ends
         self.next_probe = 0.0
         self.timed_wait = False  # main waits with a timeout: start no regular call here
+        self.stop_at: Optional[float] = None  # inproc: leave the inbox for later after this time
         self.loads = [0] * size
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
@@ -558,7 +559,10 @@ class Engine:
 
     def _process(self) -> None:
         inbox = self.inbox
+        stop = self.stop_at
         while inbox:
+            if stop is not None and time.monotonic() >= stop:
+                break  # a waiter in this thread is due (inproc): the rest can wait
             src, bufs, load = inbox.popleft()
             self.loads[src] = load
             b0 = bufs[0]
@@ -1433,8 +1437,8 @@ def check_timeout(timeout: Any) -> Optional[float]:
     anything else is refused with an error that names it.
 
     Example:
-        >>> check_timeout(2), check_timeout(math.inf), check_timeout(0)
-        (2.0, None, 0.0)
+        >>> check_timeout(2), check_timeout(math.inf), check_timeout(1e300), check_timeout(0)
+        (2.0, None, None, 0.0)
         >>> check_timeout(-1)
         Traceback (most recent call last):
         ...
@@ -1446,7 +1450,8 @@ def check_timeout(timeout: Any) -> Optional[float]:
         raise TypeError(f"timeout must be a number of seconds, or None; got {timeout!r}")
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a number of seconds >= 0, or None; got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+    # beyond ~30 years no clock or poll() can count: that is no timeout
+    return None if timeout > 1e9 else float(timeout)
 
 
 def _pack_release(items) -> bytes:

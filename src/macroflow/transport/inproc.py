@@ -78,11 +78,19 @@ class World:
 
     def run_until(self, pred, deadline: Optional[float] = None) -> bool:
         while not pred():
+            # every context shares this thread: a call that computes delays the
+            # deadline by its length, but no new one starts once it has passed
+            if deadline is not None and time.monotonic() >= deadline:
+                return pred()
             progressed = False
             for eng in self.engines:
                 eng.flush_releases()  # type: ignore[attr-defined]
                 if eng.busy():  # type: ignore[attr-defined]
-                    eng.process()  # type: ignore[attr-defined]
+                    eng.stop_at = deadline  # type: ignore[attr-defined]
+                    try:
+                        eng.process()  # type: ignore[attr-defined]
+                    finally:
+                        eng.stop_at = None  # type: ignore[attr-defined]
                     progressed = True
             if progressed:
                 continue
