@@ -395,3 +395,33 @@ def test_shutdown_is_refused_inside_a_method_and_inside_main_of_run(run):
         return mf.context_id()  # still running
 
     assert run(main, contexts=2) == 0
+
+
+def _queue_that_loses_context_1(self, dest, parts, load):
+    # the transport finds the peer gone in the middle of a send, as it does when
+    # a context dies at that moment: it says so, then the send fails
+    if self.ctx == 2 and dest == 1:
+        self.lost(1, "connection closed during a send")
+        raise ConnectionError("context 1: send failed")
+    return _orig_queue(self, dest, parts, load)
+
+
+from macroflow.transport.local import LocalTransport  # noqa: E402
+
+_orig_queue = LocalTransport.queue
+
+
+def test_a_peer_lost_inside_a_send_fails_the_waiting_call_once(monkeypatch):
+    monkeypatch.setattr(LocalTransport, "queue", _queue_that_loses_context_1)
+
+    def main():
+        g = Gate.create(on=1)
+        w = Work.create(on=2)
+        err = w.echo(g.wait(1)).exception(timeout=20)  # its arc is pulled from context 1
+        # context 2 is unharmed: its load is sane and it still serves
+        return err, w.echo(5).result(timeout=20), mf.stats()[2]["load"]
+
+    err, five, load = mf.run(main, contexts=3)
+    assert isinstance(err, mf.ContextLost) and err.context == 1
+    assert "during a send" in str(err)
+    assert (five, load) == (5, 1)

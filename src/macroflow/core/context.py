@@ -251,6 +251,7 @@ class Engine:
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
         self.fatal: Dict[int, str] = {}  # peers that reported an internal error before ending
+        self.lost_queue: List[int] = []  # lost peers whose futures and calls are not failed yet
         # method threads waiting on a future: fid -> (call, future, waiter, since)
         self.blocked: Dict[Any, Tuple[Call, Future, Waiter, float]] = {}
         self.blocked_version = 0  # changes whenever a wait starts or ends
@@ -528,14 +529,14 @@ class Engine:
             self.step(None)
 
     def busy(self) -> bool:
-        return bool(self.inbox or self.ready)
+        return bool(self.inbox or self.ready or self.lost_queue)
 
     def step(self, timeout: Optional[float]) -> None:
         if self.n_releases >= RELEASE_BATCH:
             self.flush_releases()
         if self.blocked and time.monotonic() >= self.next_probe:
             self.probe_blocked()
-        if self.inbox or self.ready:
+        if self.inbox or self.ready or self.lost_queue:
             self.process()
             return
         if self.timers:
@@ -552,6 +553,10 @@ class Engine:
         self.dispatching = True
         try:
             self._process()
+            while self.lost_queue:
+                self._on_lost(self.lost_queue.pop(0))
+                if self.inbox or self.ready:
+                    self._process()
         finally:
             self.dispatching = False
             _state.current = prev
@@ -1352,7 +1357,14 @@ class Engine:
             # The main program is gone: nothing is left to serve.
             self.stopping = True
             return
-        exc = errors.ContextLost(peer, how)
+        # The transport may say so from inside a send, in the middle of handling
+        # a message or in a method's thread: failing futures and running calls
+        # from there would run code twice or switch threads under it. Marked
+        # lost now (nothing more is sent there), handled at the next step.
+        self.lost_queue.append(peer)
+
+    def _on_lost(self, peer: int) -> None:
+        exc = errors.ContextLost(peer, self.lost[peer])
         for oid in self.unborn.pop(peer, ()):
             obj = self.objects.get(oid)
             if obj is not None and obj.state == "new" and obj.create is None:
@@ -1406,7 +1418,9 @@ class Engine:
             return
         slot = self.slots.get(call.fid)
         if not call.answered or (slot is not None and slot.state != FINISHED and slot.alias is None):
-            call.answered = False  # it may have failed in the middle of answering
+            if call.answered:  # it failed in the middle of answering: counted finished already
+                call.answered = False
+                self.active += 1
             err = errors.MacroflowError(
                 f"internal error of macroflow on context {self.id} while running "
                 f"{_call_label(call)}: {type(exc).__name__}: {exc}")
