@@ -12,6 +12,10 @@ Wire format of a frame: ``<II`` (number of buffers, sender's load), one ``<Q``
 length per buffer, then the buffers back to back. Large buffers are received
 straight into their own ``bytearray`` (no copy through the read buffer), so a
 numpy array comes out of the pickle on top of the bytes the kernel wrote.
+Smaller ones are parsed out of the connection's read buffer, which starts at
+16 KiB and grows (to 256 KiB at most, and never shrinks) the first time a
+frame holds a buffer that does not fit: a context that talks to hundreds of
+peers in small messages pays 16 KiB per connection, not 256.
 A connection made on demand starts with a hello (magic, the connector's
 context id, the computation's secret) before its first frame.
 
@@ -46,7 +50,8 @@ from .base import Transport
 
 _HDR = struct.Struct("<II")
 _HDR1 = struct.Struct("<IIQ")  # the common frame: one buffer
-_RBUF = 256 * 1024
+_RBUF_MIN = 16 * 1024  # a connection's read buffer when it is made
+_RBUF = 256 * 1024  # the most it grows to (for frames of buffers up to _BIG)
 _BIG = _RBUF // 2  # buffers larger than this are received in place
 _SOCKBUF = 4 * 1024 * 1024
 _IOV_MAX = 512
@@ -219,7 +224,7 @@ class _Conn:
         self.peer = peer
         self.sock = sock
         self.fd = sock.fileno()
-        self.rbuf = bytearray(_RBUF)
+        self.rbuf = bytearray(_RBUF_MIN)  # grows when a frame needs it: see _grow
         self.rmv = memoryview(self.rbuf)
         self.rs = self.re = 0
         self.state = 0
@@ -606,9 +611,10 @@ class LocalTransport(Transport):
                             got = self._parse(c) or got
                         continue
                 else:
-                    if c.re == _RBUF:
+                    size = len(c.rbuf)
+                    if c.re == size:
                         self._compact(c)
-                    want = _RBUF - c.re
+                    want = size - c.re
                     n = sock.recv_into(c.rmv[c.re:])
                     if n:
                         c.re += n
@@ -664,13 +670,27 @@ class LocalTransport(Transport):
             c.rbuf[:live] = c.rbuf[c.rs:c.re]
         c.rs, c.re = 0, live
 
+    def _grow(self, c: _Conn, need: int) -> None:
+        """Give ``c`` a read buffer that holds ``need`` bytes from its start,
+        with room to spare, keeping the bytes not parsed yet."""
+        size = len(c.rbuf)
+        while size < 2 * need and size < _RBUF:
+            size *= 2
+        buf = bytearray(max(size, need))
+        live = c.re - c.rs
+        buf[:live] = c.rmv[c.rs:c.re]
+        c.rbuf, c.rmv = buf, memoryview(buf)
+        c.rs, c.re = 0, live
+
     def _parse(self, c: _Conn) -> bool:
         if c.peer < 0 and not self._hello(c):
             return False
         got = False
-        rbuf = c.rbuf
         deliver = self.deliver
+        need = 0  # bytes from c.rs the step we stopped at waits for
         while True:
+            # again after every delivery: handling a frame may read (and grow) c
+            rbuf = c.rbuf
             avail = c.re - c.rs
             if c.state == 0 and avail >= 16:
                 nb, load, n0 = _HDR1.unpack_from(rbuf, c.rs)
@@ -695,6 +715,7 @@ class LocalTransport(Transport):
                         continue
             if c.state == 0:
                 if avail < 8:
+                    need = 8
                     break
                 c.nbufs, c.load = _HDR.unpack_from(rbuf, c.rs)
                 c.rs += 8
@@ -705,6 +726,7 @@ class LocalTransport(Transport):
                     break
                 c.lens = struct.unpack_from(f"<{c.nbufs}Q", rbuf, c.rs)
                 c.rs += need
+                need = 0
                 c.idx = 0
                 c.bufs = []
                 c.state = 2
@@ -727,12 +749,19 @@ class LocalTransport(Transport):
                     big[:avail] = c.rmv[c.rs:c.re]
                     c.rs = c.re = 0
                     c.big, c.bigmv, c.bigpos = big, memoryview(big), avail
+                    need = 0
                     break
                 else:
+                    need = n
                     break
         if c.rs == c.re:
             c.rs = c.re = 0
-        elif _RBUF - c.re < _BIG:
+        size = len(c.rbuf)
+        if need > size:
+            # a buffer of this frame is received here but larger than the
+            # buffer: only connections that carry such frames pay for more
+            self._grow(c, need)
+        elif c.rs and (c.rs + need > size or size - c.re < size // 2):
             self._compact(c)
         return got
 
