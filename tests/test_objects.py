@@ -1,6 +1,8 @@
 """Mentat parallel objects: calls, futures, guards, rtf, placement and errors, on every transport."""
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -568,6 +570,73 @@ def test_gather_and_wait(run):
         return mf.gather(fs + [99]), len(done), pending
 
     assert run(main) == ([i * i for i in range(10)] + [99], 10, [])
+
+
+@pytest.mark.parametrize("given, complaint", [
+    ({"a": 1}, r"mf\.{who}\(\) takes an iterable of futures, not a dict .*pass d\.values\(\)"),
+    (None, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got NoneType"),
+    (5, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got int"),
+    ("future", r"mf\.{who}\(\) takes an iterable of futures, not one Future: pass \[f\]"),
+], ids=["dict", "None", "int", "future"])
+@pytest.mark.parametrize("who", ["gather", "wait"])
+def test_gather_and_wait_refuse_what_is_not_an_iterable_of_futures(run, who, given, complaint):
+    def main():
+        f = Math().square(3)
+        arg = {"a": f} if isinstance(given, dict) else f if given == "future" else given
+        with pytest.raises(TypeError, match=complaint.format(who=who)):
+            getattr(mf, who)(arg)
+        return f.result()
+
+    assert run(main) == 9
+
+
+def test_gather_keeps_the_error_a_generator_raises(run):
+    def main():
+        with pytest.raises(mf.CallError, match=r"Math\.square\(\): missing"):
+            mf.gather(Math().square() for _ in range(2))
+        return "ok"
+
+    assert run(main) == "ok"
+
+
+def test_wait_names_the_first_item_that_is_not_a_future(run):
+    def main():
+        m = Math()
+        fs = [m.square(1), m.square(2), "two", 3]
+        with pytest.raises(TypeError, match=r"mf\.wait\(\) waits for futures; item 2 is 'two' "
+                                            r"\(str\), not a Future"):
+            mf.wait(fs)
+        with pytest.raises(TypeError, match=r"item 0 is 1 \(int\)"):
+            mf.wait([1, 2])
+        return mf.gather(fs)
+
+    assert run(main) == [1, 4, "two", 3]
+
+
+@mf.persistent
+class Holder:
+    def hold(self, path):
+        # holds its context (no future to wait on) until the file appears
+        while not os.path.exists(path):
+            time.sleep(0.005)
+        return "released"
+
+
+@pytest.mark.timeout(60)
+def test_stats_timeout_names_the_contexts_that_did_not_answer(tmp_path):
+    release = str(tmp_path / "release")
+
+    def main():
+        held = Holder.create(on=1)
+        held.hold(release)
+        with pytest.raises(mf.TimeoutError, match=r"mf\.stats\(\): context 1 did not answer "
+                                                 r"within 0\.2 s"):
+            mf.stats(timeout=0.2)
+        open(release, "w").close()
+        assert held.hold(release).result() == "released"
+        return sorted(mf.stats(timeout=30))
+
+    assert mf.run(main, contexts=3, transport="local") == [0, 1, 2]
 
 
 def test_numpy_out_of_band_roundtrip(run):
