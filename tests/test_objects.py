@@ -1,6 +1,9 @@
 """Mentat parallel objects: calls, futures, guards, rtf, placement and errors, on every transport."""
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -527,6 +530,30 @@ def test_wrong_arity_fails_at_call_site(run):
     assert run(main)
 
 
+@mf.regular
+class Scaled:
+    def __init__(self, k):
+        self.k = k
+
+    def times(self, x):
+        return self.k * x
+
+
+def test_constructor_errors_name_the_class_called_once(run):
+    def main():
+        errors = []
+        for make in (lambda: Accumulator.create(1, 2, 3), lambda: Accumulator.create(y=1),
+                     lambda: Scaled(1, 2)):
+            with pytest.raises(mf.CallError) as e:
+                make()
+            errors.append(str(e.value))
+        return errors
+
+    assert run(main) == ["Accumulator(): too many positional arguments",
+                         "Accumulator(): got an unexpected keyword argument 'y'",
+                         "Scaled(): too many positional arguments"]
+
+
 def test_unpicklable_argument_fails_at_call_site(run):
     def main():
         with pytest.raises(mf.CallError, match=r"Math.square.*lock"):
@@ -938,3 +965,24 @@ def test_guard_reads_arguments_that_are_arcs(run):
         return long.result(), short.done()
 
     assert run(main) == (3, False)
+
+
+def test_a_future_is_not_made_directly_and_its_failure_is_quiet():
+    # run in a fresh interpreter: "Exception ignored in __del__" goes to its stderr
+    code = textwrap.dedent("""
+        import gc, macroflow as mf
+        for _ in range(3):
+            try:
+                mf.Future()
+            except TypeError as e:
+                print(e)
+        try:
+            mf.Future(None, (0, 1), 0)
+        except TypeError:
+            pass
+        gc.collect()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stderr == ""
+    assert out.stdout.splitlines()[0].startswith("mf.Future() cannot be made directly: every call returns one")
