@@ -1,5 +1,6 @@
 """Guards whose predicate raises: the guarded call fails with that exception,
-the object and its other calls go on."""
+the object and its other calls go on. Guards used where they cannot work are
+refused when the class is decorated."""
 
 import pytest
 
@@ -101,3 +102,76 @@ def test_guard_error_flows_through_arcs(run):
         return True
 
     assert run(main, contexts=3)
+
+
+# -- misuse, refused at decoration --------------------------------------------
+def test_guard_on_a_regular_method_is_refused():
+    with pytest.raises(TypeError, match=r"Oracle\.never has a guard, but @mf\.regular objects "
+                                        r"are stateless .* make .*Oracle @mf\.persistent"):
+        @mf.regular
+        class Oracle:
+            @mf.guard(lambda self: False)
+            def never(self):
+                return "ran"
+
+
+def test_guard_on_an_inherited_static_method_of_a_regular_class_is_refused():
+    class Base:
+        @mf.guard(lambda self: False)
+        @staticmethod
+        def never():
+            return "ran"
+
+    with pytest.raises(TypeError, match=r"Sub\.never \(inherited from .*Base\) has a guard"):
+        @mf.regular
+        class Sub(Base):
+            pass
+
+
+def test_overridden_guarded_method_does_not_count():
+    class Base:
+        @mf.guard(lambda self: False)
+        def m(self):
+            return "base"
+
+    @mf.regular
+    class Sub(Base):
+        def m(self):
+            return "sub"
+
+    assert mf.run(lambda: Sub().m().result(), contexts=2, transport="inproc") == "sub"
+
+
+@pytest.mark.parametrize("kind", ["persistent", "regular"])
+def test_bare_guard_without_a_predicate_is_refused(kind):
+    with pytest.raises(TypeError, match=r"G\.take is not a method: @mf\.guard was used without "
+                                        r"a predicate.*write @mf\.guard\(lambda self: <condition>\) "
+                                        r"above def take\(self, \.\.\.\)"):
+        @getattr(mf, kind)
+        class G:
+            @mf.guard
+            def take(self):
+                return "took"
+
+
+@pytest.mark.parametrize("thing", [5, None, "method", int])
+def test_guard_decorating_what_is_not_a_method_is_refused(thing):
+    with pytest.raises(TypeError, match=r"mf\.guard\(predicate\) decorates a method of a "
+                                        r"@mf\.persistent class.*; got "):
+        mf.guard(lambda self: True)(thing)
+
+
+def test_guards_on_persistent_methods_of_every_kind_are_accepted():
+    @mf.persistent
+    class Fine:
+        @mf.guard(lambda self: True)
+        def m(self):
+            return "m"
+
+        @mf.guard(lambda self: True)
+        @staticmethod
+        def s():
+            return "s"
+
+    assert mf.run(lambda: mf.gather([Fine.create().m(), Fine.create().s()]),
+                  contexts=2, transport="inproc") == ["m", "s"]

@@ -425,3 +425,139 @@ def test_a_peer_lost_inside_a_send_fails_the_waiting_call_once(monkeypatch):
     assert isinstance(err, mf.ContextLost) and err.context == 1
     assert "during a send" in str(err)
     assert (five, load) == (5, 1)
+# -- how many contexts the host can hold: refused before anything is forked ------
+@pytest.fixture
+def no_fork(monkeypatch):
+    """A refusal must come before any fork: one would fail the test, not fork."""
+    def refuse():
+        raise AssertionError("forked although the contexts do not fit")
+    monkeypatch.setattr(os, "fork", refuse)
+
+
+def _host(monkeypatch, mem_mb=None, nproc=None, user_tasks=0, all_tasks=None):
+    from macroflow.transport import local
+    monkeypatch.setattr(local, "_mem_available", lambda: None if mem_mb is None else mem_mb << 20)
+    monkeypatch.setattr(local, "_nproc_limit", lambda: nproc)
+    monkeypatch.setattr(local, "_user_tasks", lambda: user_tasks)
+    monkeypatch.setattr(local, "_tasks_total", lambda: all_tasks)
+
+
+@pytest.mark.parametrize("start", ["init", "run"])
+def test_more_contexts_than_memory_holds_are_refused(monkeypatch, no_fork, start):
+    _host(monkeypatch, mem_mb=100)
+    with pytest.raises(mf.LimitError) as e:
+        if start == "init":
+            mf.init(contexts=50)
+        else:
+            mf.run(lambda: None, contexts=50)
+    assert e.value.limit == "memory"
+    msg = str(e.value)
+    assert "50 contexts do not fit" in msg and "100 MB is available" in msg
+    assert "MemAvailable" in msg and "use at most 11 contexts" in msg
+    assert psutil.Process().children(recursive=True) == []
+    with pytest.raises(RuntimeError, match="not running"):
+        mf.context_id()
+
+
+def test_contexts_that_fit_in_memory_start(monkeypatch):
+    from macroflow.transport import local
+    _host(monkeypatch, mem_mb=3 * local.CONTEXT_MEMORY >> 20)
+    assert mf.run(mf.num_contexts, contexts=4) == 4
+
+
+def test_inproc_contexts_count_their_own_memory(monkeypatch, no_fork):
+    _host(monkeypatch, mem_mb=1)
+    assert mf.run(mf.num_contexts, contexts=8, transport="inproc") == 8
+    with pytest.raises(mf.LimitError, match=r"on the inproc transport.*use at most 16 contexts"):
+        mf.init(contexts=100, transport="inproc")
+
+
+def test_more_contexts_than_the_process_limit_allows_are_refused(monkeypatch, no_fork):
+    _host(monkeypatch, nproc=100, user_tasks=90, all_tasks=300)
+    with pytest.raises(mf.LimitError) as e:
+        mf.init(contexts=12)
+    assert e.value.limit == "RLIMIT_NPROC"
+    msg = str(e.value)
+    assert "12 contexts need 11 new processes" in msg and "may start only 10 more" in msg
+    assert "soft limit 100" in msg and "90 processes and threads" in msg
+    assert "use at most 11 contexts" in msg and "ulimit -u" in msg
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_contexts_under_the_process_limit_start(monkeypatch):
+    _host(monkeypatch, nproc=100, user_tasks=90, all_tasks=300)
+    assert mf.run(mf.num_contexts, contexts=11) == 11
+
+
+def test_process_limit_is_not_counted_when_the_host_runs_few_tasks(monkeypatch):
+    def not_needed():
+        raise AssertionError("counted this user's tasks although every task of the host fits")
+    _host(monkeypatch, nproc=1000, all_tasks=100)
+    from macroflow.transport import local
+    monkeypatch.setattr(local, "_user_tasks", not_needed)
+    local.check_room(800)
+    with pytest.raises(AssertionError, match="counted"):
+        local.check_room(950)
+
+
+def test_readings_of_this_host():
+    from macroflow.transport import local
+    assert local._user_tasks() >= 1
+    assert local._tasks_total() >= 1
+    assert local._mem_available() > 0
+
+
+def test_cli_run_too_many_contexts_is_a_usage_error(monkeypatch, no_fork, tmp_path, capsys):
+    from macroflow import cli
+    _host(monkeypatch, mem_mb=100)
+    script = _script(tmp_path, "raise AssertionError('the script ran')")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "-n", "100000000", script])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "macroflow run: error: 100000000 contexts do not fit" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("what, complaint", [
+    ("dir", "not a file (a directory): "),
+    ("missing", "no such file: "),
+])
+def test_cli_run_script_that_is_no_file_is_a_usage_error(tmp_path, what, complaint):
+    path = str(tmp_path) if what == "dir" else str(tmp_path / "missing.py")
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", path],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"macroflow run: error: {complaint}{path}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_version():
+    out = subprocess.run([sys.executable, "-m", "macroflow", "--version"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"macroflow {mf.__version__}"
+
+
+@pytest.mark.parametrize("where", ["missing dir", "a directory"])
+def test_cli_bench_json_that_cannot_be_written_is_refused_before_measuring(
+        monkeypatch, tmp_path, capsys, where):
+    from macroflow import cli
+    from macroflow.bench import micro
+
+    def measure(*a, **k):
+        raise AssertionError("measured although the results cannot be written")
+    monkeypatch.setattr(micro, "main", measure)
+    path = str(tmp_path / "no" / "out.json") if where == "missing dir" else str(tmp_path)
+    assert cli.main(["bench", "micro", "--quick", "--json", path]) == 2
+    err = capsys.readouterr().err
+    assert f"macroflow bench: --json {path}: cannot write it" in err
+
+
+def test_cli_bench_json_check_leaves_no_file(monkeypatch, tmp_path):
+    from macroflow import cli
+    from macroflow.bench import micro
+    path = tmp_path / "out.json"
+    seen = []
+    monkeypatch.setattr(micro, "main", lambda json_path, quick: seen.append(os.path.exists(json_path)) or 0)
+    assert cli.main(["bench", "micro", "--json", str(path)]) == 0
+    assert seen == [False]

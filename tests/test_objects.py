@@ -1,6 +1,11 @@
 """Mentat parallel objects: calls, futures, guards, rtf, placement and errors, on every transport."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -525,6 +530,30 @@ def test_wrong_arity_fails_at_call_site(run):
     assert run(main)
 
 
+@mf.regular
+class Scaled:
+    def __init__(self, k):
+        self.k = k
+
+    def times(self, x):
+        return self.k * x
+
+
+def test_constructor_errors_name_the_class_called_once(run):
+    def main():
+        errors = []
+        for make in (lambda: Accumulator.create(1, 2, 3), lambda: Accumulator.create(y=1),
+                     lambda: Scaled(1, 2)):
+            with pytest.raises(mf.CallError) as e:
+                make()
+            errors.append(str(e.value))
+        return errors
+
+    assert run(main) == ["Accumulator(): too many positional arguments",
+                         "Accumulator(): got an unexpected keyword argument 'y'",
+                         "Scaled(): too many positional arguments"]
+
+
 def test_unpicklable_argument_fails_at_call_site(run):
     def main():
         with pytest.raises(mf.CallError, match=r"Math.square.*lock"):
@@ -568,6 +597,73 @@ def test_gather_and_wait(run):
         return mf.gather(fs + [99]), len(done), pending
 
     assert run(main) == ([i * i for i in range(10)] + [99], 10, [])
+
+
+@pytest.mark.parametrize("given, complaint", [
+    ({"a": 1}, r"mf\.{who}\(\) takes an iterable of futures, not a dict .*pass d\.values\(\)"),
+    (None, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got NoneType"),
+    (5, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got int"),
+    ("future", r"mf\.{who}\(\) takes an iterable of futures, not one Future: pass \[f\]"),
+], ids=["dict", "None", "int", "future"])
+@pytest.mark.parametrize("who", ["gather", "wait"])
+def test_gather_and_wait_refuse_what_is_not_an_iterable_of_futures(run, who, given, complaint):
+    def main():
+        f = Math().square(3)
+        arg = {"a": f} if isinstance(given, dict) else f if given == "future" else given
+        with pytest.raises(TypeError, match=complaint.format(who=who)):
+            getattr(mf, who)(arg)
+        return f.result()
+
+    assert run(main) == 9
+
+
+def test_gather_keeps_the_error_a_generator_raises(run):
+    def main():
+        with pytest.raises(mf.CallError, match=r"Math\.square\(\): missing"):
+            mf.gather(Math().square() for _ in range(2))
+        return "ok"
+
+    assert run(main) == "ok"
+
+
+def test_wait_names_the_first_item_that_is_not_a_future(run):
+    def main():
+        m = Math()
+        fs = [m.square(1), m.square(2), "two", 3]
+        with pytest.raises(TypeError, match=r"mf\.wait\(\) waits for futures; item 2 is 'two' "
+                                            r"\(str\), not a Future"):
+            mf.wait(fs)
+        with pytest.raises(TypeError, match=r"item 0 is 1 \(int\)"):
+            mf.wait([1, 2])
+        return mf.gather(fs)
+
+    assert run(main) == [1, 4, "two", 3]
+
+
+@mf.persistent
+class Holder:
+    def hold(self, path):
+        # holds its context (no future to wait on) until the file appears
+        while not os.path.exists(path):
+            time.sleep(0.005)
+        return "released"
+
+
+@pytest.mark.timeout(60)
+def test_stats_timeout_names_the_contexts_that_did_not_answer(tmp_path):
+    release = str(tmp_path / "release")
+
+    def main():
+        held = Holder.create(on=1)
+        held.hold(release)
+        with pytest.raises(mf.TimeoutError, match=r"mf\.stats\(\): context 1 did not answer "
+                                                 r"within 0\.2 s"):
+            mf.stats(timeout=0.2)
+        open(release, "w").close()
+        assert held.hold(release).result() == "released"
+        return sorted(mf.stats(timeout=30))
+
+    assert mf.run(main, contexts=3, transport="local") == [0, 1, 2]
 
 
 def test_numpy_out_of_band_roundtrip(run):
@@ -869,3 +965,24 @@ def test_guard_reads_arguments_that_are_arcs(run):
         return long.result(), short.done()
 
     assert run(main) == (3, False)
+
+
+def test_a_future_is_not_made_directly_and_its_failure_is_quiet():
+    # run in a fresh interpreter: "Exception ignored in __del__" goes to its stderr
+    code = textwrap.dedent("""
+        import gc, macroflow as mf
+        for _ in range(3):
+            try:
+                mf.Future()
+            except TypeError as e:
+                print(e)
+        try:
+            mf.Future(None, (0, 1), 0)
+        except TypeError:
+            pass
+        gc.collect()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stderr == ""
+    assert out.stdout.splitlines()[0].startswith("mf.Future() cannot be made directly: every call returns one")

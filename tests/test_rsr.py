@@ -124,6 +124,34 @@ def test_rsr_bad_input(run):
     assert run(main, contexts=2)
 
 
+@pytest.mark.parametrize("bad", [None, "ctx1", 5])
+def test_pointer_arguments_that_are_not_pointers_are_named(run, bad):
+    def main():
+        with pytest.raises(TypeError, match=r"mf\.unexport\(\): gptr must be a GlobalPointer "
+                                            r"\(from mf\.export\(\)\); got " + type(bad).__name__):
+            mf.unexport(bad)
+        with pytest.raises(TypeError, match=r"mf\.rsr\(\): gptr must be a GlobalPointer "
+                                            r"\(from mf\.export\(\) or mf\.info\(handle\)\.gptr\); "
+                                            r"got " + type(bad).__name__):
+            mf.rsr(bad, deposit, 1)
+        with pytest.raises(TypeError, match=r"mf\.rsr\(\): handler must be callable .*; got NoneType"):
+            mf.rsr(mf.export([]), None)
+        return True
+
+    assert run(main, contexts=2)
+
+
+def test_unexport_of_an_object_pointer_is_refused(run):
+    def main():
+        box = Mailbox.create(on=0)
+        with pytest.raises(ValueError, match=r"names a persistent object, not an object registered with "
+                                             r"mf\.export\(\); .* mf\.destroy\(handle\)"):
+            mf.unexport(mf.info(box).gptr)
+        return box.items().result()
+
+    assert run(main, contexts=2) == []
+
+
 def _wait_inline(box, ref):
     try:
         ref[0].result()

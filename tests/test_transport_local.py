@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+import macroflow as mf
 from macroflow.core import marshal
 from macroflow.launch import new_computation_id
 from macroflow.transport import local
@@ -267,3 +268,80 @@ def test_address_held_by_another_user_is_not_trusted(monkeypatch):
     finally:
         ts[1].close()
         ts[2].close()
+
+
+def _rbuf_size(t, peer):
+    return len(t.conns[peer].rbuf)
+
+
+def test_read_buffer_stays_small_on_a_connection_of_small_frames():
+    ta, tb, _, got_b = _pair()
+    try:
+        sizes = [(i * 97) % 12_000 for i in range(600)]
+        for i, n in enumerate(sizes):
+            parts = [bytes([i % 256]) * n] if i % 2 else [b"h%d" % i, os.urandom(n)]
+            if i % 3:
+                ta.queue(1, parts, i)  # joined with its neighbours into one write
+            else:
+                ta.send(1, parts, i)
+            if i % 50 == 49:
+                ta.flush()
+                while len(got_b) <= i:
+                    tb.poll(1.0)
+        ta.flush()
+        while len(got_b) < len(sizes):
+            tb.poll(1.0)
+        assert [b[2] for b in got_b] == list(range(len(sizes)))
+        assert [len(b[1][-1]) for b in got_b] == sizes
+        assert _rbuf_size(tb, 0) == local._RBUF_MIN
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_read_buffer_grows_for_a_frame_that_needs_it_and_the_connection_goes_on():
+    ta, tb, _, got_b = _pair()
+    want = [
+        [os.urandom(200_000)],                    # one 200 KB buffer: received in place
+        [b"h", os.urandom(100_000), os.urandom(100_000)],  # 100 KB buffers: through the read buffer
+        [os.urandom(60_000)],
+        [b"small"],
+    ] + [[b"after%d" % i] for i in range(100)]
+    done = threading.Event()
+
+    def receive():
+        while len(got_b) < len(want) and not done.is_set():
+            tb.poll(0.2)
+
+    th = threading.Thread(target=receive)
+    th.start()
+    try:
+        for i, parts in enumerate(want):
+            ta.send(1, parts, i)
+        th.join(30)
+    finally:
+        done.set()
+        th.join()
+        ta.close()
+        tb.close()
+    assert [[bytes(p) for p in b[1]] for b in got_b] == want
+    assert local._RBUF_MIN < len(tb.links[0][0].rbuf) <= local._RBUF
+
+
+@mf.persistent
+class _Echo:
+    def echo(self, x):
+        return x
+
+
+def test_values_of_every_size_cross_between_contexts():
+    # in-band pickles from a few bytes to past the largest read buffer, both ways,
+    # back to back (so frames that need a larger buffer follow small ones)
+    sizes = [10, 9_000, 17_000, 40_000, 70_000, 130_000, 140_000, 300_000, 5]
+
+    def main():
+        e = _Echo.create(on=1)
+        vals = [bytes([n % 251]) * n for n in sizes] + [list(range(n // 8)) for n in sizes]
+        return mf.gather([e.echo(v) for v in vals]) == vals
+
+    assert mf.run(main, contexts=2, transport="local")

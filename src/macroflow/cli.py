@@ -17,11 +17,30 @@ import types
 from typing import List, Optional
 
 
+def script_problem(path: str) -> Optional[str]:
+    """Why ``path`` cannot be run as a script, or None if it can be read.
+
+    Example:
+        >>> script_problem("/nonexistent.py")
+        'no such file: /nonexistent.py'
+        >>> script_problem("/")
+        'not a file (a directory): /'
+    """
+    if not os.path.exists(path):
+        return f"no such file: {path}"
+    if os.path.isdir(path):
+        return f"not a file (a directory): {path}"
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    return None
+
+
 def _load_script(path: str) -> types.ModuleType:
     # The script becomes a real module, registered before any context is
     # forked, so its classes pickle by reference like any library's.
-    if not os.path.exists(path):
-        raise SystemExit(f"macroflow run: no such file: {path}")
     mod = types.ModuleType("__mf_script__")
     mod.__file__ = os.path.abspath(path)
     sys.modules["__mf_script__"] = mod
@@ -35,10 +54,16 @@ def _load_script(path: str) -> types.ModuleType:
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
     from macroflow.launch import spin_us_setting
+    from macroflow.transport.local import check_room
+    # usage errors, all found before the script runs
     try:
-        spin_us_setting()  # a bad MACROFLOW_SPIN_US is a usage error, found before the script runs
-    except ValueError as e:
+        spin_us_setting()
+        check_room(args.n or os.cpu_count() or 1, args.transport)
+    except (ValueError, mf.LimitError) as e:
         args.parser.error(str(e))
+    problem = script_problem(args.script)
+    if problem is not None:
+        args.parser.error(problem)
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
     if not callable(main):
@@ -99,7 +124,9 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from macroflow.core.placement import POLICIES
     from macroflow.transport.base import REGISTRY
+    from macroflow import __version__
     p = argparse.ArgumentParser(prog="macroflow", description="parallel objects and macro dataflow")
+    p.add_argument("--version", action="version", version=f"macroflow {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a script's main() on N contexts")
     r.add_argument("-n", type=positive_int, default=None, metavar="N",
@@ -125,7 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of the ``macroflow`` command.
+    """Entry point of the ``macroflow`` command; returns its exit code.
+
+    Usage errors (bad options, a script that is not a readable file, more
+    contexts than this host can hold, a --json file that cannot be written)
+    end it with exit code 2 and a message, before anything runs.
 
     Example:
         >>> main(["info"])  # doctest: +ELLIPSIS

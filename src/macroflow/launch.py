@@ -407,7 +407,10 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         RuntimeError: a computation is already running in this process.
         ValueError: bad number of contexts, transport, placement or spin_us
             (or MACROFLOW_SPIN_US).
-        LimitError: too few file descriptors or processes for the contexts.
+        LimitError: the host cannot hold that many contexts: found before
+            anything starts for processes (RLIMIT_NPROC) and memory (see
+            :func:`macroflow.transport.local.check_room`), while starting
+            for file descriptors.
 
     Example:
         >>> import macroflow as mf
@@ -428,6 +431,8 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     if transport not in REGISTRY:
         raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
+    from .transport.local import check_room
+    check_room(contexts, transport)  # before anything is forked
     return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us))
 
 

@@ -9,10 +9,36 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
 SUITES = ("micro", "peers", "baselines")
+
+
+def json_problem(path: str) -> Optional[str]:
+    """Why the results cannot be written to ``path``, or None if they can.
+
+    Tries it: the file is opened for appending (and removed again if it did
+    not exist), so what it says holds for this user on this file system.
+
+    Example:
+        >>> json_problem("/nonexistent/dir/out.json")
+        'cannot write it: No such file or directory'
+        >>> json_problem("/")
+        'cannot write it: a directory'
+    """
+    if os.path.isdir(path):
+        return "cannot write it: a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write it: {e.strerror or e}"
+    if not existed:
+        os.remove(path)
+    return None
 
 
 def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = False,
@@ -22,7 +48,8 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     Args:
         suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
             Ray, Dask, ProcessPoolExecutor and mpi4py) or "baselines" (hand-coded only).
-        json_path: also write every figure of the micro or peers suite to this file.
+        json_path: also write every figure of the micro or peers suite to this
+            file; one that cannot be written is refused (2) before anything runs.
         quick: far fewer iterations (a smoke run of well under a minute).
         peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
 
@@ -31,11 +58,18 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
         2
         >>> main("micro", peers="ray")
         2
+        >>> main("micro", json_path="/nonexistent/dir/out.json")
+        2
     """
     if peers is not None and suite != "peers":
         print(f"macroflow bench: --peers applies to the peers suite only, not {suite!r}",
               file=sys.stderr)
         return 2
+    if json_path is not None:
+        problem = json_problem(json_path)
+        if problem is not None:  # found now, not after minutes of measuring
+            print(f"macroflow bench: --json {json_path}: {problem}", file=sys.stderr)
+            return 2
     if suite == "peers":
         from . import peers as peers_suite
         return peers_suite.main(json_path=json_path, quick=quick, peers=peers)

@@ -35,7 +35,7 @@ class Future:
     Only strict use blocks: :meth:`result`, :func:`macroflow.gather`,
     :func:`macroflow.wait`. Pass a future as an argument to another call and
     the value goes from its producer to the consumer without passing through
-    the caller.
+    the caller. Futures are made by calls: ``mf.Future()`` raises TypeError.
 
     Example:
         >>> import macroflow as mf
@@ -54,7 +54,13 @@ class Future:
                  "_big",
                  "__weakref__")
 
-    def __init__(self, engine: Any, fid: FutureId, home: int, target: Any = None, site: Any = None):
+    def __init__(self, engine: Any = None, fid: FutureId = (0, 0), home: int = 0,
+                 target: Any = None, site: Any = None):
+        # made by the engine for every call, never by the user
+        if engine is None:
+            raise TypeError("mf.Future() cannot be made directly: every call returns one "
+                            "(handle.method(...), Cls.create(...)), and mf.Future is for "
+                            "isinstance checks and type hints")
         self._engine = engine
         self._fid = fid
         self._home = home
@@ -225,7 +231,10 @@ class Future:
         return (_rebuild, (self._fid, self._home, self._target, eng.computation))
 
     def __del__(self):
-        eng = self._engine
+        try:
+            eng = self._engine
+        except AttributeError:  # its construction failed: nothing to release
+            return
         if eng is not None and not self._escaped and self._fid[0] == eng.id:
             try:
                 eng.release(self)

@@ -40,6 +40,9 @@ def unexport(gptr: GlobalPointer) -> None:
     """Forget an object registered with :func:`export` in this context.
 
     Raises:
+        TypeError: ``gptr`` is not a GlobalPointer.
+        ValueError: it names another context, or a persistent object (end
+            those with mf.destroy).
         macroflow.StaleReference: ``gptr`` belongs to another computation.
 
     Example:
@@ -48,10 +51,21 @@ def unexport(gptr: GlobalPointer) -> None:
         ...     g = mf.export([1, 2])
         ...     mf.unexport(g)
     """
+    _check_gptr(gptr, "unexport", "mf.export()")
     eng = current_engine_of(gptr.computation, "global pointer", gptr)
+    if gptr.kind != "export":
+        what = "a persistent object" if gptr.kind == "object" else f"a {gptr.kind!r}"
+        raise ValueError(f"mf.unexport(): {gptr!r} names {what}, not an object registered "
+                         f"with mf.export(); a persistent object ends with mf.destroy(handle)")
     if gptr.context != eng.id:
         raise ValueError(f"{gptr!r} names context {gptr.context}, not this one ({eng.id})")
     eng.exports.pop(gptr.ident, None)
+
+
+def _check_gptr(gptr: Any, who: str, source: str) -> None:
+    if not isinstance(gptr, GlobalPointer):
+        raise TypeError(f"mf.{who}(): gptr must be a GlobalPointer (from {source}); "
+                        f"got {type(gptr).__name__}")
 
 
 def protocols_of(eng: Any, ctx: int):
@@ -72,6 +86,7 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
             wait); "new" runs it in a new lightweight thread (it may wait).
 
     Raises:
+        TypeError: ``gptr`` is not a GlobalPointer, or ``handler`` is not callable.
         ValueError: unknown ``thread``, or no protocol shared with the target.
         macroflow.StaleReference: ``gptr`` belongs to another computation.
         macroflow.CallError: the handler or the arguments cannot be pickled.
@@ -99,10 +114,10 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
     """
     if thread not in THREADS:
         raise ValueError(f"thread must be 'inline' or 'new'; got {thread!r}")
-    if not isinstance(gptr, GlobalPointer):
-        raise TypeError(f"rsr() needs a GlobalPointer; got {type(gptr).__name__}")
+    _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
     if not callable(handler):
-        raise TypeError(f"rsr() handler must be callable; got {type(handler).__name__}")
+        raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
+                        f"got {type(handler).__name__}")
     eng = current_engine_of(gptr.computation, "global pointer", gptr)
     mine = eng.transport.name if eng.transport is not None else "inproc"
     if gptr.protocols and mine not in gptr.protocol_names():

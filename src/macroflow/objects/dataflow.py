@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from ..core import errors
 from ..core.context import SYSTEM, current_engine
 from ..core.future import CallSite, Future, stale_future
 
@@ -22,6 +24,23 @@ def _engine_for(fs: List[Future]) -> Any:
         raise
 
 
+def _items(futures: Any, who: str) -> List[Any]:
+    """The items of what gather or wait was given, or a TypeError saying what it takes."""
+    if isinstance(futures, Mapping):
+        raise TypeError(f"mf.{who}() takes an iterable of futures, not a {type(futures).__name__} "
+                        f"(iterating over it gives its keys): pass d.values(), and zip the "
+                        f"result with d's keys if you need them")
+    if isinstance(futures, Future):
+        raise TypeError(f"mf.{who}() takes an iterable of futures, not one Future: "
+                        f"pass [f], or use f.result()")
+    try:
+        it = iter(futures)
+    except TypeError:
+        raise TypeError(f"mf.{who}() takes an iterable of futures (a list, a tuple, a "
+                        f"generator...); got {type(futures).__name__}") from None
+    return list(it)  # what a generator raises is its own error, not ours
+
+
 def _left(deadline: Optional[float]) -> Optional[float]:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -31,6 +50,11 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
 
     Returns ``(done, not_done)``, two lists of futures; never raises for a
     failed call (look at ``f.exception()``) nor for the timeout.
+
+    Raises:
+        TypeError: ``futures`` is not an iterable of futures (a dict, a
+            single Future, or an item that is not a Future: the error names
+            the first such item and its position).
 
     Example:
         >>> import macroflow as mf
@@ -42,7 +66,11 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
         ...     len(done), len(pending)
         (3, 0)
     """
-    fs = [f for f in futures if isinstance(f, Future)]
+    fs = _items(futures, "wait")
+    for i, f in enumerate(fs):
+        if not isinstance(f, Future):
+            raise TypeError(f"mf.wait() waits for futures; item {i} is {_show(f)} "
+                            f"({type(f).__name__}), not a Future")
     if not fs:
         return [], []
     eng = _engine_for(fs)
@@ -60,10 +88,23 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
     return done, [f for f in fs if not f.done()]
 
 
+def _show(x: Any) -> str:
+    try:
+        text = repr(x)
+    except Exception:
+        text = f"<{type(x).__name__} object>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]:
     """The values of ``futures`` in order (other items are passed through).
 
     Raises the first failed call's exception, in list order.
+
+    Raises:
+        TypeError: ``futures`` is not an iterable: a dict (pass
+            ``d.values()``), a single Future (pass ``[f]``), None...
+        macroflow.TimeoutError: ``timeout`` seconds passed first.
 
     Example:
         >>> import macroflow as mf
@@ -74,7 +115,7 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
         ...     mf.gather([M().sq(3), 10, M().sq(4)])
         [9, 10, 16]
     """
-    items = list(futures)
+    items = _items(futures, "gather")
     eng = _engine_for([f for f in items if isinstance(f, Future)])
     for f in items:
         if isinstance(f, Future):
@@ -111,13 +152,21 @@ def num_contexts() -> int:
     return current_engine().size
 
 
-def stats() -> Dict[int, Dict[str, int]]:
+def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
     """Counters of every live context: a dict from context id to its counters.
 
     Among them: ``bytes_sent``, ``bytes_received``, ``messages_sent``,
     ``messages_received``, ``calls_executed``, ``calls_issued``,
     ``values_sent``, ``instances_created``; docs/guide.md (Statistics)
     describes every key. Asking costs one message each way per context.
+
+    A context answers between two method runs: one running a long method
+    answers when it ends. With ``timeout`` (seconds), stats waits that long
+    at most.
+
+    Raises:
+        macroflow.TimeoutError: some context did not answer within
+            ``timeout``; the message names them.
 
     Example:
         >>> import macroflow as mf
@@ -128,4 +177,12 @@ def stats() -> Dict[int, Dict[str, int]]:
     live = [c for c in range(eng.size) if c not in eng.lost]
     futs = {c: eng.issue(SYSTEM, "stats", "stats", (), {}, c, site=_STATS_SITE, pinned=True)
             for c in live}
+    if timeout is not None:
+        _done, late = wait(list(futs.values()), timeout)
+        if late:
+            silent = [c for c, f in futs.items() if not f.done()]
+            raise errors.TimeoutError(
+                f"mf.stats(): context{'s' if len(silent) > 1 else ''} "
+                f"{', '.join(map(str, silent))} did not answer within {timeout} s "
+                f"(a context answers between two method runs)")
     return {c: f.result() for c, f in futs.items()}

@@ -99,11 +99,15 @@ def constructor_info(cls: type) -> MethodInfo:
         ...     def __init__(self, n): pass
         >>> constructor_info(A).nmin
         1
+        >>> constructor_info(A).check((1, 2), {})
+        Traceback (most recent call last):
+        ...
+        macroflow.core.errors.CallError: A(): too many positional arguments
     """
     info = cls.__dict__.get("__mf_ctor__")
     if info is None:
         info = MethodInfo(cls, "__init__", cls.__init__)
-        info.label = f"{cls.__qualname__}()"
+        info.label = cls.__qualname__  # errors read "Cls(): ...", as the class is called
         setattr(cls, "__mf_ctor__", info)
     return info
 

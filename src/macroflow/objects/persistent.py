@@ -20,6 +20,7 @@ the class attribute ``create``.
 from __future__ import annotations
 
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
@@ -307,11 +308,39 @@ RESERVED = {"create": "Cls.create(...) is how objects of the class are made"}
 _CREATORS = (_create_persistent, _create_regular)
 
 
+def _marks(attr: Any) -> dict:
+    """The attributes set on a class attribute's function (a guard's, say), if any."""
+    fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+    return fn.__dict__ if isinstance(fn, types.FunctionType) else {}
+
+
+def _check_guards(cls: type, what: str) -> None:
+    seen = set()
+    for klass in cls.__mro__[:-1]:
+        for name, attr in klass.__dict__.items():
+            if name in seen:
+                continue  # overridden: not what the class's objects run
+            seen.add(name)
+            marks = _marks(attr)
+            where = "" if klass is cls else f" (inherited from {klass.__qualname__})"
+            if "__mf_guard_of__" in marks:
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}{where} is not a method: @mf.guard was used without "
+                    f"a predicate, so it took the method for the predicate and replaced it; "
+                    f"write @mf.guard(lambda self: <condition>) above def {name}(self, ...)")
+            if what == "regular" and "__mf_guard__" in marks:
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}{where} has a guard, but @mf.regular objects are "
+                    f"stateless (any instance serves any call): a guard has no state to look "
+                    f"at; make {cls.__qualname__} @mf.persistent, or test the condition in the caller")
+
+
 def _check_class(cls: Any, what: str) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"@mf.{what} decorates a class; got {type(cls).__name__}")
     if getattr(cls, "__mf_kind__", None) not in (None, what):
         raise TypeError(f"{cls.__qualname__} is already @{cls.__mf_kind__}")
+    _check_guards(cls, what)
     for name, why in RESERVED.items():
         for klass in cls.__mro__[:-1]:
             found = klass.__dict__.get(name)
@@ -382,6 +411,13 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     call whose guard is false waits without holding a thread, and later calls
     whose guards hold may pass it (Mentat's select/accept).
 
+    ``mf.guard(predicate)`` decorates a method (a function, or a static or
+    class method) of a ``@mf.persistent`` class. Refused with TypeError: a
+    guard on a method of a ``@mf.regular`` class (stateless: there is no
+    state to guard), ``@mf.guard`` without a predicate (found when the class
+    is decorated, since it would replace the method), and decorating
+    anything that is not a method.
+
     Example:
         >>> import macroflow as mf
         >>> @mf.persistent
@@ -410,10 +446,16 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
         # on the function itself: the object finds it through getattr(cls, name),
         # which unwraps a staticmethod or classmethod put around the guard
         target = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+        if not callable(target) or isinstance(target, type):
+            raise TypeError(f"mf.guard(predicate) decorates a method of a @mf.persistent class, "
+                            f"as in @mf.guard(lambda self: <condition>) above def method(self); "
+                            f"got {type(fn).__name__}")
         target.__mf_guard__ = predicate  # type: ignore[attr-defined]
         target.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
         return fn
 
+    # a class decorator that finds this in place of a method: a bare @mf.guard
+    deco.__mf_guard_of__ = predicate  # type: ignore[attr-defined]
     return deco
 
 

@@ -12,6 +12,10 @@ Wire format of a frame: ``<II`` (number of buffers, sender's load), one ``<Q``
 length per buffer, then the buffers back to back. Large buffers are received
 straight into their own ``bytearray`` (no copy through the read buffer), so a
 numpy array comes out of the pickle on top of the bytes the kernel wrote.
+Smaller ones are parsed out of the connection's read buffer, which starts at
+16 KiB and grows (to 256 KiB at most, and never shrinks) the first time a
+frame holds a buffer that does not fit: a context that talks to hundreds of
+peers in small messages pays 16 KiB per connection, not 256.
 A connection made on demand starts with a hello (magic, the connector's
 context id, the computation's secret) before its first frame.
 
@@ -46,7 +50,8 @@ from .base import Transport
 
 _HDR = struct.Struct("<II")
 _HDR1 = struct.Struct("<IIQ")  # the common frame: one buffer
-_RBUF = 256 * 1024
+_RBUF_MIN = 16 * 1024  # a connection's read buffer when it is made
+_RBUF = 256 * 1024  # the most it grows to (for frames of buffers up to _BIG)
 _BIG = _RBUF // 2  # buffers larger than this are received in place
 _SOCKBUF = 4 * 1024 * 1024
 _IOV_MAX = 512
@@ -91,6 +96,113 @@ def nofile_error(what: str, err: OSError) -> LimitError:
     return LimitError("RLIMIT_NOFILE", (
         f"cannot {what}: too many open files (RLIMIT_NOFILE soft limit {soft}, "
         f"hard limit {shown}); {how}"))
+
+
+#: Memory counted per context when checking that a computation fits (see
+#: check_room). A context forked from a small program holds ~2 MB of its own
+#: (USS) while idle, ~9 MB once a full garbage collection has copied the pages
+#: of the heap it shares with context 0; more for a larger program.
+CONTEXT_MEMORY = 10 << 20
+#: The same for a context of the inproc transport: its engine (~22 KB).
+INPROC_CONTEXT_MEMORY = 64 << 10
+
+
+def _mem_available() -> Optional[int]:
+    """Bytes of memory available for new work (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _nproc_limit() -> Optional[int]:
+    """RLIMIT_NPROC's soft limit where the kernel holds this process to it, else None."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft == resource.RLIM_INFINITY or os.getuid() == 0:  # root is not held to it
+        return None
+    return soft
+
+
+def _tasks_total() -> Optional[int]:
+    """Processes and threads of every user on this host (from /proc/loadavg)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _user_tasks() -> int:
+    """Processes and threads of this user: what RLIMIT_NPROC counts."""
+    uid = os.getuid()
+    n = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    n += os.stat(f"/proc/{name}/task").st_nlink - 2  # one entry per thread
+            except OSError:
+                pass  # it ended meanwhile
+    return n
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+def check_room(contexts: int, transport: str = "local") -> None:
+    """Raise :class:`LimitError` if this host cannot hold ``contexts`` contexts.
+
+    Checked before anything is started: on the ``local`` transport, the
+    ``contexts - 1`` processes to fork must fit under RLIMIT_NPROC (its soft
+    limit, less the processes and threads this user already runs; root is
+    not held to it) and in the memory available (MemAvailable in
+    /proc/meminfo, counting :data:`CONTEXT_MEMORY` per context); on
+    ``inproc``, the contexts must fit in memory (:data:`INPROC_CONTEXT_MEMORY`
+    each). A limit that cannot be read is not checked.
+
+    Example:
+        >>> check_room(2)
+        >>> try:
+        ...     check_room(10**9)
+        ... except LimitError as e:
+        ...     print(e.limit)
+        memory
+    """
+    per = CONTEXT_MEMORY if transport == "local" else INPROC_CONTEXT_MEMORY
+    new = contexts - 1 if transport == "local" else contexts  # context 0 exists already
+    avail = _mem_available()
+    if avail is not None and new * per > avail:
+        fit = avail // per + (1 if transport == "local" else 0)
+        raise LimitError("memory", (
+            f"{contexts} contexts do not fit in this host's memory: they need about "
+            f"{new * per >> 20} MB ({_size(per)} per context on the {transport} transport) "
+            f"and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); "
+            f"use at most {fit} contexts, or free memory"))
+    if transport != "local":
+        return
+    soft = _nproc_limit()
+    if soft is None:
+        return
+    total = _tasks_total()
+    if total is not None and new <= soft - total:
+        return  # fits even if every task on the host were this user's
+    running = _user_tasks()
+    room = max(soft - running, 0)
+    if new > room:
+        _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        raise LimitError("RLIMIT_NPROC", (
+            f"{contexts} contexts need {new} new processes, but this user may start only "
+            f"{room} more (RLIMIT_NPROC soft limit {soft}, hard limit {shown}; "
+            f"{running} processes and threads of this user are running); use at most "
+            f"{room + 1} contexts, or raise the limit with `ulimit -u N` in the shell that "
+            f"starts Python (or resource.setrlimit(resource.RLIMIT_NPROC, (N, hard)) "
+            f"before mf.init or mf.run)"))
 
 
 class Mesh:
@@ -219,7 +331,7 @@ class _Conn:
         self.peer = peer
         self.sock = sock
         self.fd = sock.fileno()
-        self.rbuf = bytearray(_RBUF)
+        self.rbuf = bytearray(_RBUF_MIN)  # grows when a frame needs it: see _grow
         self.rmv = memoryview(self.rbuf)
         self.rs = self.re = 0
         self.state = 0
@@ -606,9 +718,10 @@ class LocalTransport(Transport):
                             got = self._parse(c) or got
                         continue
                 else:
-                    if c.re == _RBUF:
+                    size = len(c.rbuf)
+                    if c.re == size:
                         self._compact(c)
-                    want = _RBUF - c.re
+                    want = size - c.re
                     n = sock.recv_into(c.rmv[c.re:])
                     if n:
                         c.re += n
@@ -664,13 +777,27 @@ class LocalTransport(Transport):
             c.rbuf[:live] = c.rbuf[c.rs:c.re]
         c.rs, c.re = 0, live
 
+    def _grow(self, c: _Conn, need: int) -> None:
+        """Give ``c`` a read buffer that holds ``need`` bytes from its start,
+        with room to spare, keeping the bytes not parsed yet."""
+        size = len(c.rbuf)
+        while size < 2 * need and size < _RBUF:
+            size *= 2
+        buf = bytearray(max(size, need))
+        live = c.re - c.rs
+        buf[:live] = c.rmv[c.rs:c.re]
+        c.rbuf, c.rmv = buf, memoryview(buf)
+        c.rs, c.re = 0, live
+
     def _parse(self, c: _Conn) -> bool:
         if c.peer < 0 and not self._hello(c):
             return False
         got = False
-        rbuf = c.rbuf
         deliver = self.deliver
+        need = 0  # bytes from c.rs the step we stopped at waits for
         while True:
+            # again after every delivery: handling a frame may read (and grow) c
+            rbuf = c.rbuf
             avail = c.re - c.rs
             if c.state == 0 and avail >= 16:
                 nb, load, n0 = _HDR1.unpack_from(rbuf, c.rs)
@@ -695,6 +822,7 @@ class LocalTransport(Transport):
                         continue
             if c.state == 0:
                 if avail < 8:
+                    need = 8
                     break
                 c.nbufs, c.load = _HDR.unpack_from(rbuf, c.rs)
                 c.rs += 8
@@ -705,6 +833,7 @@ class LocalTransport(Transport):
                     break
                 c.lens = struct.unpack_from(f"<{c.nbufs}Q", rbuf, c.rs)
                 c.rs += need
+                need = 0
                 c.idx = 0
                 c.bufs = []
                 c.state = 2
@@ -727,12 +856,19 @@ class LocalTransport(Transport):
                     big[:avail] = c.rmv[c.rs:c.re]
                     c.rs = c.re = 0
                     c.big, c.bigmv, c.bigpos = big, memoryview(big), avail
+                    need = 0
                     break
                 else:
+                    need = n
                     break
         if c.rs == c.re:
             c.rs = c.re = 0
-        elif _RBUF - c.re < _BIG:
+        size = len(c.rbuf)
+        if need > size:
+            # a buffer of this frame is received here but larger than the
+            # buffer: only connections that carry such frames pay for more
+            self._grow(c, need)
+        elif c.rs and (c.rs + need > size or size - c.re < size // 2):
             self._compact(c)
         return got
 
