@@ -328,6 +328,7 @@ class _Macroflow:
         self.actor.null(0).result(60)
         self.box = [-1]
         self.home = mf.export(self.box)
+        self.actor_gptr = mf.info(self.actor).gptr  # once: the round trip measures the RSRs
         from macroflow.core.context import current_engine
         self.drive = current_engine().driver.run_until
 
@@ -351,7 +352,7 @@ class _Macroflow:
 
     def round_trip(self, i: int) -> None:
         box = self.box
-        mf.rsr(mf.info(self.actor).gptr, _bounce_back, self.home, i)
+        mf.rsr(self.actor_gptr, _bounce_back, self.home, i)
         self.drive(lambda: box[0] == i)
 
     def stop(self) -> None:
