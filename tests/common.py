@@ -21,3 +21,17 @@ class Gate:
 
     def pid(self):
         return os.getpid()
+
+
+@mf.persistent
+class Log:
+    """Remembers what it is given, in order."""
+
+    def __init__(self):
+        self.items = []
+
+    def add(self, x):
+        self.items.append(x)
+
+    def get(self):
+        return self.items

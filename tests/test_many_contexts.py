@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import macroflow as mf
-from common import Gate
+from common import Gate, Log
 from macroflow.core.context import SYSTEM, current_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,18 +110,6 @@ def test_failed_fork_names_the_process_limit(monkeypatch):
     assert psutil.Process().children(recursive=True) == []
     monkeypatch.undo()
     assert mf.run(lambda: mf.num_contexts(), contexts=2) == 2  # nothing left half-started
-
-
-@mf.persistent
-class Log:
-    def __init__(self):
-        self.items = []
-
-    def add(self, x):
-        self.items.append(x)
-
-    def get(self):
-        return self.items
 
 
 @mf.persistent

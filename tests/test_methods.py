@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 import macroflow as mf
-from common import Gate
+from common import Gate, Log
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -409,24 +409,12 @@ class Cleans:
         await self.log.add("cleaned")  # a coroutine hook runs to its end
 
 
-@mf.persistent
-class Log:
-    def __init__(self):
-        self.items = []
-
-    def add(self, x):
-        self.items.append(x)
-
-    def read(self):
-        return self.items
-
-
 @pytest.mark.timeout(60)
 def test_a_coroutine_destroy_hook_is_awaited(run):
     def main():
         log = Log.create(on=1)
         c = Cleans.create(log, on=2)
         mf.destroy(c).result()
-        return mf.gather([log.read() for _ in range(1)])[0]
+        return log.get().result()
 
     assert run(main, contexts=3) == ["cleaned"]
