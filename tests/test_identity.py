@@ -72,9 +72,10 @@ def test_persistent_handle_from_another_computation(run):
             mf.info(kept["h"])
         with pytest.raises(mf.StaleReference):
             mf.destroy(kept["h"])
-        # carried in pickles: a copy used by a method elsewhere fails the same way
-        remote = Cell.create(on=2).use(kept["h"]).exception()
-        return direct.value, remote, _computation()
+        # passed to a call, it is refused where the call is made
+        with pytest.raises(mf.StaleReference) as passed:
+            Cell.create(on=2).use(kept["h"])
+        return direct.value, passed.value, _computation()
 
     assert run(first) == "old"
     direct, remote, now = run(second)
@@ -235,3 +236,21 @@ def test_gather_and_wait_on_futures_of_an_ended_computation_name_it(transport):
     for op in (lambda: mf.gather(kept), lambda: mf.wait(kept)):
         with pytest.raises(mf.StaleReference, match="which has ended"):
             op()
+
+
+def test_a_handle_of_another_computation_is_refused_as_an_argument(transport):
+    kept = []
+
+    def first():
+        kept.append(Cell.create(on=1))
+
+    mf.run(first, contexts=2, transport=transport)
+
+    def second():
+        e = Echo()
+        for arg in (kept[0], [kept[0]], {"h": kept[0]}):
+            with pytest.raises(mf.StaleReference, match="belongs to computation"):
+                e.echo(arg)
+        return e.echo(1).result()
+
+    assert mf.run(second, contexts=2, transport=transport) == 1

@@ -418,3 +418,18 @@ def test_a_coroutine_destroy_hook_is_awaited(run):
         return log.get().result()
 
     assert run(main, contexts=3) == ["cleaned"]
+
+
+@mf.persistent
+class Sleepy:
+    async def nap(self):
+        await asyncio.sleep(0.01)  # needs an event loop: a context runs none
+
+
+def test_asyncio_code_inside_a_coroutine_method_gets_macroflow_s_explanation(run):
+    def main():
+        with pytest.raises(RuntimeError, match="can await only macroflow futures"):
+            Sleepy.create(on=1).nap().result(timeout=10)
+        return True
+
+    assert run(main, contexts=2)

@@ -80,6 +80,15 @@ class _Handle:
         return m
 
 
+def _check_travel(handle: Any, comp: Optional[str]) -> None:
+    # sent in a call of another computation: refused where the call is made,
+    # not where it is used (pickled outside any computation, it is kept as it is)
+    if comp is not None:
+        running = running_computation()
+        if running is not None and running != comp:
+            raise StaleReference(f"handle {handle!r}", comp, running)
+
+
 class PersistentHandle(_Handle):
     """A reference to one persistent object; calling a method returns a Future.
 
@@ -121,6 +130,7 @@ class PersistentHandle(_Handle):
                          site=info, oid=self._oid)
 
     def __reduce__(self):
+        _check_travel(self, self._comp)
         return (PersistentHandle, (self._cls, self._oid, self._ctx, self._comp))
 
     def __eq__(self, other: object) -> bool:
@@ -177,6 +187,7 @@ class RegularHandle(_Handle):
                          dest, site=info, pinned=pinned)
 
     def __reduce__(self):
+        _check_travel(self, self._comp)
         return (RegularHandle, (self._cls, self._args, self._kwargs, self._on, self._comp))
 
     def __repr__(self) -> str:
