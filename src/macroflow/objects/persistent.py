@@ -2,7 +2,8 @@
 
 ``@persistent`` classes get ``Cls.create(*args, on=None, **kw)``, which places
 one instance in some context and returns a handle at once. The instance runs
-one method at a time; calls from one caller run in the order issued; a method
+one method at a time; calls from one caller (the main program, or one running
+method) run in the order issued; a method
 guarded with :func:`guard` is accepted only while its predicate holds.
 
 ``@regular`` classes return an unbound handle when called: every call may be
@@ -366,7 +367,8 @@ def persistent(cls: T) -> T:
 
     Adds ``Cls.create(*args, on=None, **kw) -> handle``. The object has state
     and one thread of control: one method runs at a time, in the order each
-    caller issued them, subject to :func:`guard`. Calling the class directly
+    caller (the main program, or one running method) issued them, subject to
+    :func:`guard`. Calling the class directly
     still makes an ordinary local instance (handy for serial tests).
 
     Example:

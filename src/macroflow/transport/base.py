@@ -46,8 +46,12 @@ class Transport(abc.ABC):
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:
         """Send one frame to ``dest``; returns the number of bytes put on the wire.
 
-        Never blocks for long: a frame that does not fit in the kernel's
-        buffers is finished by :meth:`poll`, or by :meth:`flush`.
+        Flow control: while the peer's buffers are full, the sender waits
+        for it to read, reading what arrives for itself meanwhile (so two
+        contexts sending large frames to each other cannot deadlock); a
+        peer that is alive but never reads holds the sender until it goes.
+        A peer found gone raises ConnectionError (and is reported to
+        ``lost``).
         """
 
     @abc.abstractmethod
