@@ -506,3 +506,18 @@ def test_a_destroy_hook_that_raises_fails_the_destroy_and_the_object_is_gone(run
         return mf.stats()[1]["objects"]
 
     assert run(main, contexts=2) == 0
+
+
+@pytest.mark.timeout(60)
+def test_wait_and_gather_check_their_timeout_as_result_does(run):
+    import math
+
+    def main():
+        f = Odd.create(on=1).ok()
+        for op in (mf.wait, mf.gather):
+            for bad, err in (("1", TypeError), (-1, ValueError), (math.nan, ValueError)):
+                with pytest.raises(err, match="timeout must be a number of seconds"):
+                    op([f], timeout=bad)
+        return mf.gather([f], timeout=math.inf), mf.wait([f], timeout=1e300)[1]
+
+    assert run(main, contexts=2) == (["alive"], [])

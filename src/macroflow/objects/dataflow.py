@@ -7,10 +7,16 @@ from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..core import errors
-from ..core.context import SYSTEM, current_engine
+from ..core.context import SYSTEM, check_timeout, current_engine
 from ..core.future import CallSite, Future, stale_future
 
 _STATS_SITE = CallSite("stats")
+
+
+def _deadline(timeout: Any) -> Optional[float]:
+    # checked as result() checks it, before anything waits
+    timeout = check_timeout(timeout)
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def _engine_for(fs: List[Future]) -> Any:
@@ -71,12 +77,12 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
         if not isinstance(f, Future):
             raise TypeError(f"mf.wait() waits for futures; item {i} is {_show(f)} "
                             f"({type(f).__name__}), not a Future")
+    deadline = _deadline(timeout)
     if not fs:
         return [], []
     eng = _engine_for(fs)
     for f in fs:
         eng.request_value(f)
-    deadline = None if timeout is None else time.monotonic() + timeout
     for f in fs:
         if f.done():
             continue
@@ -115,12 +121,12 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
         ...     mf.gather([M().sq(3), 10, M().sq(4)])
         [9, 10, 16]
     """
+    deadline = _deadline(timeout)
     items = _items(futures, "gather")
     eng = _engine_for([f for f in items if isinstance(f, Future)])
     for f in items:
         if isinstance(f, Future):
             eng.request_value(f)
-    deadline = None if timeout is None else time.monotonic() + timeout
     out = []
     for f in items:
         if isinstance(f, Future):
