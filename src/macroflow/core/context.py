@@ -738,16 +738,9 @@ class Engine:
         except BaseException:
             return False  # an argument failed: failing the call here is quick
         route = (call.route & EAGER) | PINNED
-        self.send(dest, (CALL, call.fid, call.kind, call.target, call.method, args, kwargs,
-                         None, route, call.caller))
         self.active -= 1
-        self.loads[dest] += 1
-        self.stats.calls_transferred += 1
-        slot = self.slots[call.fid]
-        slot.call = None
-        self._alias(call.fid, slot, call.fid, dest, None)
-        if route & EAGER:
-            slot.subs.append((call.fid[0], (call.fid, None)))
+        self._move(call, dest, (CALL, call.fid, call.kind, call.target, call.method, args,
+                                kwargs, None, route, call.caller))
         return True
 
     def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
@@ -761,18 +754,22 @@ class Engine:
             return False
         if src == self.id:
             self.active -= 1
+        self._move(call, dest, (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9]))
+        return True
+
+    def _move(self, call: Call, dest: int, frame: tuple) -> None:
+        """Hand ``call`` (received here, not started) to ``dest`` as ``frame``:
+        its value will be there, and requests for it here are passed on."""
         slot = self.slots[call.fid]
         slot.call = None
-        fwd = (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9])
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
-        self.send(dest, fwd)
+        self.send(dest, frame)
         self._alias(call.fid, slot, call.fid, dest, None)
-        if msg[8] & EAGER:
+        if call.route & EAGER:
             # the new home sends the value to the caller unasked; should it be
             # lost first, this context tells the caller
             slot.subs.append((call.fid[0], (call.fid, None)))
-        return True
 
     def _pump(self, obj: HostedObject) -> None:
         if obj.busy:
