@@ -539,14 +539,20 @@ class Engine:
         if self.inbox or self.ready or self.lost_queue:
             self.process()
             return
-        if self.timers:
-            left = self.timers[0][0] - time.monotonic()
-            timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
-        if self.blocked:
-            left = self.next_probe - time.monotonic()
-            timeout = max(0.0, left) if timeout is None else max(0.0, min(timeout, left))
+        due = self.next_due()
+        if due is not None:
+            left = max(0.0, due - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
         self.transport.poll(timeout)
         self.process()
+
+    def next_due(self) -> Optional[float]:
+        """When (time.monotonic) the engine next has something to do unasked:
+        a timer, or deadlock probes of its waiting method threads; None if never."""
+        due = self.timers[0][0] if self.timers else None
+        if self.blocked and (due is None or self.next_probe < due):
+            due = self.next_probe
+        return due
 
     def process(self) -> None:
         prev, _state.current = _state.current, self

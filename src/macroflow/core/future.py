@@ -510,11 +510,9 @@ class LoopDriver:
             return
         delay = None if self.fd is not None else POLL_S
         for eng in self.engines:
-            due = [eng.timers[0][0]] if eng.timers else []
-            if eng.blocked:
-                due.append(eng.next_probe)  # deadlock probes of its method threads
-            if due:
-                left = max(0.0, min(due) - time.monotonic())
+            due = eng.next_due()
+            if due is not None:
+                left = max(0.0, due - time.monotonic())
                 delay = left if delay is None else min(delay, left)
         if delay is not None:
             self._schedule(delay)
