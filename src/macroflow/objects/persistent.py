@@ -81,6 +81,19 @@ class _Handle:
         return m
 
 
+def _engine_of(handle: Any) -> Any:
+    """The running engine, if ``handle`` belongs to its computation (a handle
+    made outside any belongs to every one); else StaleReference, or
+    RuntimeError when nothing runs."""
+    try:
+        eng = current_engine()
+    except RuntimeError:
+        eng = None
+    if eng is None or (handle._comp is not None and eng.computation != handle._comp):
+        eng = current_engine_of(handle._comp, "handle", handle)  # raises the right error
+    return eng
+
+
 def _check_travel(handle: Any, comp: Optional[str]) -> None:
     # sent in a call of another computation: refused where the call is made,
     # not where it is used (pickled outside any computation, it is kept as it is)
@@ -121,12 +134,7 @@ class PersistentHandle(_Handle):
         self._created = created
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
-        try:
-            eng = current_engine()
-        except RuntimeError:
-            eng = None
-        if eng is None or eng.computation != self._comp:
-            eng = current_engine_of(self._comp, "handle", self)  # raises the right error
+        eng = _engine_of(self)
         return eng.issue(PERSISTENT, (self._oid,), info.name, args, kwargs, self._ctx,
                          site=info, oid=self._oid)
 
@@ -174,12 +182,7 @@ class RegularHandle(_Handle):
         self._comp = computation
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
-        try:
-            eng = current_engine()
-        except RuntimeError:
-            eng = None
-        if eng is None or (eng.computation != self._comp and self._comp is not None):
-            eng = current_engine_of(self._comp, "handle", self)  # raises the right error
+        eng = _engine_of(self)
         if self._on is not None:
             dest, pinned = self._on, True
         else:
@@ -251,18 +254,15 @@ def info(handle: Any) -> HandleInfo:
         ('persistent', True, 2, 2, None)
     """
     if isinstance(handle, PersistentHandle):
-        eng = current_engine_of(handle._comp, "handle", handle)
+        eng = _engine_of(handle)
         gptr = GlobalPointer(handle._ctx, "object", handle._oid, protocols_of(eng, handle._ctx),
                              handle._comp)
         return HandleInfo("persistent", handle._cls, handle._ctx, handle._oid, handle._created,
                           gptr, handle._comp)
     if isinstance(handle, RegularHandle):
-        comp = handle._comp
-        if comp is not None:
-            running = running_computation()
-            if running != comp:
-                raise StaleReference(f"handle {handle!r}", comp, running)
-        return HandleInfo("regular", handle._cls, handle._on, None, None, None, comp)
+        if handle._comp is not None:  # one made outside any computation fits every one
+            _engine_of(handle)
+        return HandleInfo("regular", handle._cls, handle._on, None, None, None, handle._comp)
     raise TypeError(f"mf.info() takes a handle (from Cls.create() or a @mf.regular Cls()); "
                     f"got {type(handle).__name__}")
 
@@ -294,7 +294,7 @@ def destroy(handle: Any) -> Future:
                             f"regular class, whose instances the runtime makes and reuses itself")
         raise TypeError(f"mf.destroy() takes the handle of a persistent object; "
                         f"got {type(handle).__name__}")
-    eng = current_engine_of(handle._comp, "handle", handle)
+    eng = _engine_of(handle)
     return eng.issue(PERSISTENT, (handle._oid,), DESTROY, (), {}, handle._ctx,
                      site=CallSite(f"{handle._cls.__qualname__}.destroy"), oid=handle._oid)
 
