@@ -53,11 +53,9 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-import greenlet
-
 from . import errors, marshal
 from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, site_label, stale_future
-from .threads import DONE, PARKED, Pool, Waiter, Worker, getcurrent
+from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE = range(9)
@@ -80,8 +78,6 @@ _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
 _TIMEOUT = object()
 _MISSING = object()
-# what a method's error handling must let through: Ctrl-C, and the end of a thread
-_INTERRUPTS = (KeyboardInterrupt, greenlet.GreenletExit)
 
 
 class Arc:
@@ -821,7 +817,7 @@ class Engine:
                                         **self._fill_kw(call)))
                     else:
                         ok = bool(guard(obj.instance))
-                except _INTERRUPTS:
+                except INTERRUPTS:
                     raise
                 except BaseException as e:  # a failing guard fails its call
                     del gready[i]
@@ -865,7 +861,7 @@ class Engine:
                 args, kwargs = self._args(call)
                 inst = cls.__new__(cls)
                 inst.__init__(*args, **kwargs)
-            except _INTERRUPTS:
+            except INTERRUPTS:
                 raise
             except BaseException as e:
                 obj.state, obj.error = "broken", e
@@ -892,7 +888,7 @@ class Engine:
                     r = hook()
                     if isinstance(r, CoroutineType):
                         run_coroutine(r)
-                except _INTERRUPTS:
+                except INTERRUPTS:
                     raise
                 except BaseException as e:  # the object is gone all the same
                     ok, err = False, e
@@ -928,7 +924,7 @@ class Engine:
                 try:
                     inst = cls.__mf_new__(cls)
                     inst.__init__(*cargs, **ckw)
-                except _INTERRUPTS:
+                except INTERRUPTS:
                     raise
                 except BaseException as e:
                     self._finish(call, False, e)
@@ -950,7 +946,7 @@ class Engine:
             value = fn(*pre, *args, **kwargs)
             if type(value) is CoroutineType:  # an async def method: run it here
                 value = run_coroutine(value)
-        except _INTERRUPTS:
+        except INTERRUPTS:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
             self.stats.calls_executed += 1

@@ -15,6 +15,10 @@ import greenlet
 
 getcurrent = greenlet.getcurrent
 
+# What error handling around user code must let through: the end of a
+# thread (GreenletExit), and Ctrl-C, which ends the program, not one call.
+INTERRUPTS = (greenlet.GreenletExit, KeyboardInterrupt)
+
 DONE = object()  # a worker finished its task and may be reused
 PARKED = object()  # a worker is waiting and will be resumed by a Waiter
 
@@ -51,8 +55,8 @@ class Worker(greenlet.greenlet):
             fn, args = task
             try:
                 fn(*args)
-            except (greenlet.GreenletExit, KeyboardInterrupt):
-                raise  # the end of this thread, or Ctrl-C: the engine's root gets it
+            except INTERRUPTS:
+                raise  # the engine's root gets it
             except BaseException as e:  # the engine's own bug: report, keep serving
                 self.engine.internal_error(self.call, e)
             self.call = None
