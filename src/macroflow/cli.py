@@ -54,11 +54,13 @@ def _load_script(path: str) -> types.ModuleType:
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
     from macroflow.launch import spin_us_setting
-    from macroflow.transport.local import check_room
+    from macroflow.launch import load_transport
     # usage errors, all found before the script runs
     try:
         spin_us_setting()
-        check_room(args.n or os.cpu_count() or 1, args.transport)
+        check = getattr(load_transport(args.transport), "check_room", None)
+        if check is not None:
+            check(args.n or os.cpu_count() or 1)
     except (ValueError, mf.LimitError) as e:
         args.parser.error(str(e))
     problem = script_problem(args.script)

@@ -122,107 +122,15 @@ class Session:
     def __init__(self, contexts: int, transport: str, placement: Any, spin_us: float):
         self.size = contexts
         self.transport_name = transport
-        self.pids: Dict[int, int] = {}
-        self.reaped: Dict[int, int] = {}
         self.closed = False
         self.in_run = False  # started by run(): its main may not call shutdown()
         self.engine: Optional[Engine] = None
-        self.world: Any = None
         self.started = time.perf_counter()
         self.computation = new_computation_id()
-        if transport == "local":
-            self._start_local(placement, spin_us)
-        elif transport == "inproc":
-            self._start_inproc(placement)
-        else:
-            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
+        self.launcher: Launcher = load_transport(transport).launcher(self)
+        self.engine = self.launcher.start(placement, spin_us)
         _ctx._state.default = self.engine
         _sessions.append(self)
-
-    # -- inproc ----------------------------------------------------------------
-    def _start_inproc(self, placement: Placement) -> None:
-        from .transport.inproc import InprocTransport, World
-        marshal.forget_main_snapshot()
-        world = self.world = World()
-        for c in range(self.size):
-            eng = Engine(c, self.size, InprocTransport(world, c), placement.copy(),
-                         computation=self.computation)
-            eng.driver = world
-            world.engines.append(eng)
-        self.engine = world.engines[0]
-
-    # -- local -----------------------------------------------------------------
-    def _start_local(self, placement: Placement, spin_us: float) -> None:
-        from .transport.local import LocalTransport, Mesh, nofile_error
-        n = self.size
-        mesh = Mesh(self.computation, n)
-        marshal.snapshot_main()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Each child gets only its socketpair with context 0 and its listening
-        # socket; this process keeps one end per child, nothing more.
-        mine: Dict[int, socket.socket] = {}
-        spare: List[socket.socket] = []  # the child's sockets, until it has them
-        try:
-            for c in range(1, n):
-                try:
-                    a, b = socket.socketpair()
-                    spare += (a, b)
-                    listener = mesh.listen(c)
-                    spare.append(listener)
-                except OSError as e:
-                    if e.errno in (errno.EMFILE, errno.ENFILE):
-                        raise nofile_error(f"make the sockets of context {c} of {n}", e) from e
-                    if e.errno == errno.EADDRINUSE:
-                        raise RuntimeError(
-                            f"another computation already uses the name {self.computation}; "
-                            f"start again (names are random)") from e
-                    raise
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    err = fork_error(c, n, e)
-                    if err is e:
-                        raise
-                    raise err from e
-                if pid == 0:  # pragma: no cover - runs in the child
-                    _child_main(c, n, b, listener, [a, *mine.values()], mesh, placement,
-                                spin_us, self.computation)
-                self.pids[c] = pid
-                mine[c] = a
-                spare.clear()
-                b.close()
-                listener.close()
-            eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
-                         computation=self.computation)
-        except BaseException:
-            for s in spare:
-                s.close()
-            for s in mine.values():
-                s.close()
-            for c, pid in self.pids.items():
-                _kill(pid)
-                self.reaped[c] = -9
-            raise
-        self.engine = eng
-        eng.describe_lost = self._describe_lost
-
-    def _describe_lost(self, peer: int) -> str:
-        pid = self.pids.get(peer)
-        if pid is None:
-            return "connection closed"
-        deadline = time.monotonic() + 1.0
-        while True:  # the socket closes an instant before the process can be reaped
-            try:
-                r, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return "connection closed"
-            if r:
-                self.reaped[peer] = status
-                return f"its process (pid {pid}) {describe_status(status)}"
-            if time.monotonic() > deadline:
-                return f"connection closed (pid {pid} still running)"
-            time.sleep(0.001)
 
     # -- teardown --------------------------------------------------------------
     def close(self, grace: float = 2.0) -> None:
@@ -247,41 +155,19 @@ class Session:
         self.closed = True
         eng = self.engine
         try:
-            if eng is not None and self.world is None:
+            if eng is not None and self.launcher.remote:
                 eng.stopping = True
-                for c in range(1, self.size):
-                    if c not in eng.lost:
+                for c in eng.context_ids():
+                    if c != eng.id and c not in eng.lost:
                         try:
                             eng.send(c, (SHUTDOWN,))
                         except Exception:
                             pass
-                deadline = time.monotonic() + grace
-                for c, pid in self.pids.items():
-                    if c in self.reaped:
-                        continue
-                    while True:
-                        try:
-                            r, status = os.waitpid(pid, os.WNOHANG)
-                        except ChildProcessError:
-                            self.reaped[c] = 0
-                            break
-                        if r:
-                            self.reaped[c] = status
-                            break
-                        if time.monotonic() > deadline:
-                            break  # killed below
-                        time.sleep(0.0005)
+                self.launcher.wait(grace)
         finally:
-            # only children not yet reaped: a reaped pid may already be someone else's
-            for c, pid in self.pids.items():
-                if c not in self.reaped:
-                    _kill(pid)
-                    self.reaped[c] = -9
-            if self.world is not None:
-                for e in self.world.engines:
-                    e.closed = True
-            elif eng is not None:
-                eng.closed = True
+            self.launcher.stop()
+            for e in self.launcher.engines():
+                e.closed = True
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:
@@ -295,6 +181,195 @@ class Session:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         # after Ctrl-C, waiting long for contexts that compute helps nobody
         self.close(grace=0.2 if exc_type is KeyboardInterrupt else 2.0)
+
+
+class Launcher:
+    """How one transport brings the contexts of a :class:`Session` up and down.
+
+    A transport module names its launcher with a function ``launcher(session)``;
+    :func:`load_transport` finds the module by scheme. ``start`` returns
+    context 0's engine; ``wait`` gives the other contexts ``grace`` seconds
+    to leave after they were told to; ``stop`` ends whatever is left.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc") as s:
+        ...     type(s.launcher).__name__, s.launcher.remote
+        ('InprocLauncher', False)
+    """
+
+    #: True where other contexts run elsewhere and must be told to stop
+    remote = True
+
+    def __init__(self, session: "Session") -> None:
+        self.session = session
+        self.engine: Optional[Engine] = None
+
+    def start(self, placement: Placement, spin_us: float) -> Engine:
+        raise NotImplementedError
+
+    def wait(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for the other contexts to leave."""
+
+    def stop(self) -> None:
+        """End every context still running (after :meth:`wait`); idempotent."""
+
+    def engines(self) -> List[Engine]:
+        """The engines that live in this process."""
+        return [] if self.engine is None else [self.engine]
+
+    def describe_lost(self, peer: int) -> str:
+        """Words for how context ``peer`` went (its process's fate, say)."""
+        return "connection closed"
+
+
+class InprocLauncher(Launcher):
+    """Every context in this process, stepped in turn by one driver (for tests)."""
+
+    remote = False
+
+    def start(self, placement: Placement, spin_us: float) -> Engine:
+        from .transport.inproc import InprocTransport, World
+        marshal.forget_main_snapshot()
+        world = self.world = World()
+        s = self.session
+        for c in range(s.size):
+            eng = Engine(c, s.size, InprocTransport(world, c), placement.copy(),
+                         computation=s.computation)
+            eng.driver = world
+            world.engines.append(eng)
+        self.engine = world.engines[0]
+        return self.engine
+
+    def engines(self) -> List[Engine]:
+        return list(self.world.engines)
+
+
+class ForkLauncher(Launcher):
+    """Contexts 1..N-1 forked from this process, for the ``local`` transport."""
+
+    def __init__(self, session: "Session") -> None:
+        super().__init__(session)
+        self.pids: Dict[int, int] = {}
+        self.reaped: Dict[int, int] = {}
+
+    def start(self, placement: Placement, spin_us: float) -> Engine:
+        from .transport.local import LocalTransport, Mesh, nofile_error
+        s = self.session
+        n = s.size
+        mesh = Mesh(s.computation, n)
+        marshal.snapshot_main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Each child gets only its socketpair with context 0 and its listening
+        # socket; this process keeps one end per child, nothing more.
+        mine: Dict[int, socket.socket] = {}
+        spare: List[socket.socket] = []  # the child's sockets, until it has them
+        try:
+            for c in range(1, n):
+                try:
+                    a, b = socket.socketpair()
+                    spare += (a, b)
+                    listener = mesh.listen(c)
+                    spare.append(listener)
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        raise nofile_error(f"make the sockets of context {c} of {n}", e) from e
+                    if e.errno == errno.EADDRINUSE:
+                        raise RuntimeError(
+                            f"another computation already uses the name {s.computation}; "
+                            f"start again (names are random)") from e
+                    raise
+                try:
+                    pid = os.fork()
+                except OSError as e:
+                    err = fork_error(c, n, e)
+                    if err is e:
+                        raise
+                    raise err from e
+                if pid == 0:  # pragma: no cover - runs in the child
+                    _child_main(c, n, b, listener, [a, *mine.values()], mesh, placement,
+                                spin_us, s.computation)
+                self.pids[c] = pid
+                mine[c] = a
+                spare.clear()
+                b.close()
+                listener.close()
+            eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
+                         computation=s.computation)
+        except BaseException:
+            for sk in spare:
+                sk.close()
+            for sk in mine.values():
+                sk.close()
+            self.stop()
+            raise
+        self.engine = eng
+        eng.describe_lost = self.describe_lost
+        return eng
+
+    def describe_lost(self, peer: int) -> str:
+        pid = self.pids.get(peer)
+        if pid is None:
+            return "connection closed"
+        deadline = time.monotonic() + 1.0
+        while True:  # the socket closes an instant before the process can be reaped
+            try:
+                r, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return "connection closed"
+            if r:
+                self.reaped[peer] = status
+                return f"its process (pid {pid}) {describe_status(status)}"
+            if time.monotonic() > deadline:
+                return f"connection closed (pid {pid} still running)"
+            time.sleep(0.001)
+
+    def wait(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for c, pid in self.pids.items():
+            if c in self.reaped:
+                continue
+            while True:
+                try:
+                    r, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    self.reaped[c] = 0
+                    break
+                if r:
+                    self.reaped[c] = status
+                    break
+                if time.monotonic() > deadline:
+                    break  # killed by stop()
+                time.sleep(0.0005)
+
+    def stop(self) -> None:
+        # only children not yet reaped: a reaped pid may already be someone else's
+        for c, pid in self.pids.items():
+            if c not in self.reaped:
+                _kill(pid)
+                self.reaped[c] = -9
+
+
+def load_transport(scheme: str) -> Any:
+    """The protocol module registered for ``scheme``, imported on first use.
+
+    Raises ValueError for a scheme nobody registered, and ImportError naming
+    what to install when the module's own dependencies are missing.
+
+    Example:
+        >>> load_transport("inproc").__name__
+        'macroflow.transport.inproc'
+        >>> load_transport("carrier-pigeon")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local
+    """
+    import importlib
+    path = REGISTRY.get(scheme) if isinstance(scheme, str) else None
+    if path is None:
+        raise ValueError(f"unknown transport {scheme!r}; available: {', '.join(sorted(REGISTRY))}")
+    return importlib.import_module(path)
 
 
 def new_computation_id() -> str:
@@ -429,10 +504,10 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         contexts = os.cpu_count() or 1
     if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
-    if transport not in REGISTRY:
-        raise ValueError(f"unknown transport {transport!r}; available: {', '.join(sorted(REGISTRY))}")
-    from .transport.local import check_room
-    check_room(contexts, transport)  # before anything is forked
+    module = load_transport(transport)
+    check = getattr(module, "check_room", None)
+    if check is not None:
+        check(contexts)  # before anything is started
     return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us))
 
 

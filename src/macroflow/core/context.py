@@ -270,6 +270,10 @@ class Engine:
     def load(self) -> int:
         return self.active + self.base_load
 
+    def context_ids(self) -> range:
+        """The ids of every context of the computation, this one included."""
+        return range(self.size)
+
     def send(self, dest: int, header: tuple) -> None:
         data, bufs = marshal.dumps(header)
         self.send_frame(dest, [data, *bufs])

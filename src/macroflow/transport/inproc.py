@@ -119,3 +119,26 @@ class World:
                 "no context can make progress and the awaited value has not arrived "
                 "(inproc transport): a guard that never holds, or a wait cycle")
         return True
+
+
+def check_room(contexts: int) -> None:
+    """Raise LimitError if ``contexts`` in-process contexts do not fit in memory.
+
+    Example:
+        >>> check_room(2)
+    """
+    from .local import check_room as check
+    check(contexts, "inproc")
+
+
+def launcher(session):
+    """The launcher of this transport: every context in this process.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc") as s:
+        ...     type(launcher(s)).__name__
+        'InprocLauncher'
+    """
+    from ..launch import InprocLauncher
+    return InprocLauncher(session)

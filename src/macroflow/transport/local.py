@@ -930,3 +930,16 @@ class LocalTransport(Transport):
             self.ep.close()
         except OSError:
             pass
+
+
+def launcher(session):
+    """The launcher of this transport: contexts forked from this process.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="local") as s:
+        ...     type(launcher(s)).__name__
+        'ForkLauncher'
+    """
+    from ..launch import ForkLauncher
+    return ForkLauncher(session)
