@@ -258,7 +258,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "ready"
         kids = psutil.Process(proc.pid).children(recursive=True)
-        assert len(kids) == 2
+        assert len(kids) == 3  # two contexts and the fork server
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 130, err

@@ -25,7 +25,10 @@ from .core.placement import Placement as Placement
 from .core.rsr import export as export
 from .core.rsr import rsr as rsr
 from .core.rsr import unexport as unexport
+from .launch import ContextInfo as ContextInfo
 from .launch import Session as Session
+from .launch import add_contexts as add_contexts
+from .launch import contexts as contexts
 from .launch import init as init
 from .launch import run as run
 from .launch import shutdown as shutdown

@@ -17,6 +17,7 @@ children are asked to stop, then killed, and they also die with their parent
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import ctypes
 import errno
 import math
@@ -33,9 +34,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .core import context as _ctx
 from .core import marshal
-from .core.context import SHUTDOWN, Engine
+from .core.context import JOINED, MEMBERS, SHUTDOWN, Engine
 from .core.errors import LimitError
 from .core.placement import Placement
+from . import forkserver
 from .transport.base import REGISTRY
 
 DEFAULT_SPIN_US = 50.0
@@ -222,6 +224,16 @@ class Launcher:
         """Words for how context ``peer`` went (its process's fate, say)."""
         return "connection closed"
 
+    def add(self, ids: List[int], init: Any) -> None:
+        """Start contexts ``ids`` (numbered after every existing one); each runs
+        ``init`` and reports in with JOINED (see :func:`add_contexts`)."""
+        raise ValueError(f"the {self.session.transport_name} transport cannot add contexts "
+                         f"while running")
+
+    def pid(self, ctx: int) -> Optional[int]:
+        """The process id of context ``ctx`` (started with the computation)."""
+        return os.getpid() if ctx == 0 else None
+
 
 class InprocLauncher(Launcher):
     """Every context in this process, stepped in turn by one driver (for tests)."""
@@ -244,6 +256,23 @@ class InprocLauncher(Launcher):
     def engines(self) -> List[Engine]:
         return list(self.world.engines)
 
+    def add(self, ids: List[int], init: Any) -> None:
+        from .transport.inproc import InprocTransport
+        s = self.session
+        for c in ids:
+            eng = Engine(c, c + 1, InprocTransport(self.world, c), self.engine.placement.copy(),
+                         computation=s.computation)
+            eng.driver = self.world
+            self.world.engines.append(eng)
+            prev, _ctx._state.current = _ctx._state.current, eng
+            try:
+                joined(eng, lambda: init)
+            finally:
+                _ctx._state.current = prev
+
+    def pid(self, ctx: int) -> Optional[int]:
+        return os.getpid()
+
 
 class ForkLauncher(Launcher):
     """Contexts 1..N-1 forked from this process, for the ``local`` transport."""
@@ -252,6 +281,7 @@ class ForkLauncher(Launcher):
         super().__init__(session)
         self.pids: Dict[int, int] = {}
         self.reaped: Dict[int, int] = {}
+        self.server: Optional[forkserver.ForkServer] = None
 
     def start(self, placement: Placement, spin_us: float) -> Engine:
         from .transport.local import LocalTransport, Mesh, nofile_error
@@ -295,6 +325,11 @@ class ForkLauncher(Launcher):
                 spare.clear()
                 b.close()
                 listener.close()
+            # forked now, while this process is single-threaded (see forkserver)
+            self.server = forkserver.start(
+                lambda ctx, sock, blob: _child_main(ctx, ctx + 1, sock, mesh.listen(ctx), [], mesh,
+                                                    placement, spin_us, s.computation, blob),
+                list(mine.values()))
             eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
                          computation=s.computation)
         except BaseException:
@@ -308,9 +343,47 @@ class ForkLauncher(Launcher):
         eng.describe_lost = self.describe_lost
         return eng
 
+    def add(self, ids: List[int], init: Any) -> None:
+        from .transport.local import nofile_error
+        eng = self.engine
+        assert eng is not None and self.server is not None
+        blob, bufs = marshal.dumps(init)
+        if bufs:
+            raise ValueError("init must be a function (it pickled with out-of-band buffers)")
+        for c in ids:
+            try:
+                a, b = socket.socketpair()
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    raise nofile_error(f"make the sockets of context {c}", e) from e
+                raise
+            try:
+                self.server.fork(c, b, bytes(blob))
+            finally:
+                b.close()
+            eng.transport.adopt(c, a)
+            try:
+                self.server.pid_of(c)
+            except OSError as e:
+                eng.lost[c] = str(e)  # never started: no work may go there
+                raise OSError(f"cannot start context {c}: {e}") from e
+
+    def pid(self, ctx: int) -> Optional[int]:
+        if ctx == 0:
+            return os.getpid()
+        if ctx in self.pids:
+            return self.pids[ctx]
+        return self.server.pids.get(ctx) if self.server is not None else None
+
     def describe_lost(self, peer: int) -> str:
         pid = self.pids.get(peer)
         if pid is None:
+            if self.server is not None and peer in self.server.pids:
+                status = self.server.exit_status(peer, 1.0)
+                pid = self.server.pids[peer]
+                if status is None:
+                    return f"connection closed (pid {pid} still running)"
+                return f"its process (pid {pid}) {describe_status(status)}"
             return "connection closed"
         deadline = time.monotonic() + 1.0
         while True:  # the socket closes an instant before the process can be reaped
@@ -342,6 +415,10 @@ class ForkLauncher(Launcher):
                 if time.monotonic() > deadline:
                     break  # killed by stop()
                 time.sleep(0.0005)
+        if self.server is not None:
+            for c in list(self.server.pids):
+                if self.server.exit_status(c, deadline - time.monotonic()) is None:
+                    break  # the server kills what is left
 
     def stop(self) -> None:
         # only children not yet reaped: a reaped pid may already be someone else's
@@ -349,6 +426,8 @@ class ForkLauncher(Launcher):
             if c not in self.reaped:
                 _kill(pid)
                 self.reaped[c] = -9
+        if self.server is not None:
+            self.server.close()
 
 
 def load_transport(scheme: str) -> Any:
@@ -370,6 +449,147 @@ def load_transport(scheme: str) -> Any:
     if path is None:
         raise ValueError(f"unknown transport {scheme!r}; available: {', '.join(sorted(REGISTRY))}")
     return importlib.import_module(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextInfo:
+    """One context of the computation, as :func:`contexts` lists it.
+
+    ``node`` is the host it runs on, ``pid`` its process, ``protocols`` the
+    (protocol, address) pairs it can be reached by, ``state`` one of
+    "running", "lost" (its process or connection is gone) or "failed" (its
+    ``init`` raised when it was added).
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     [(c.id, c.state) for c in mf.contexts()]
+        [(0, 'running'), (1, 'running')]
+    """
+
+    id: int
+    node: str
+    pid: Optional[int]
+    protocols: tuple
+    state: str
+
+
+def node_name() -> str:
+    """The name of the host this process runs on.
+
+    Example:
+        >>> node_name() == socket.gethostname()
+        True
+    """
+    return socket.gethostname()
+
+
+def _main_session(what: str) -> "Session":
+    from .core.threads import Worker, getcurrent
+    if isinstance(getcurrent(), Worker):
+        raise RuntimeError(f"{what} was called inside a method: only the program that started "
+                           f"the computation (context 0's main) can do that")
+    eng = _ctx._state.default
+    for s in _sessions:
+        if s.engine is eng and not s.closed:
+            return s
+    if eng is not None:
+        raise RuntimeError(f"{what} is for the program that started the computation "
+                           f"(context 0); this is context {eng.id}")
+    raise RuntimeError(f"{what}: no computation is running; start one with mf.init or mf.run")
+
+
+def contexts() -> List[ContextInfo]:
+    """Every context of the computation, with its node, process and protocols.
+
+    Answered by context 0 (the program that started the computation).
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     return [(c.id, c.node == node_name(), c.protocols[0][0]) for c in mf.contexts()]
+        >>> mf.run(main, contexts=2, transport="local")
+        [(0, True, 'local'), (1, True, 'local')]
+    """
+    s = _main_session("mf.contexts()")
+    eng = s.engine
+    assert eng is not None
+    out = []
+    for c in range(eng.size):
+        got = eng.joined.get(c)
+        if got is not None:
+            info = got[0]
+            if c in eng.lost and info.state == "running":
+                info = dataclasses.replace(info, state="lost")
+        else:
+            pid = s.launcher.pid(c)
+            proto = eng.transport.address()[0]
+            info = ContextInfo(c, node_name(), pid, ((proto, f"{node_name()}:{pid}"),),
+                               "lost" if c in eng.lost else "running")
+        out.append(info)
+    return out
+
+
+def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
+                 timeout: float = 60.0) -> List[int]:
+    """Create ``n`` new contexts while the program runs and return their ids.
+
+    Each new context runs ``init(context_id)`` (if given) before it serves;
+    the call returns once every new context has done so, and placement uses
+    them from then on. On ``local`` the new contexts are forked by a server
+    started with the computation (so this process may have threads by now),
+    as copies of this program as it was at start-up.
+
+    Raises:
+        ValueError: ``n`` is not a positive int, ``init`` is not callable, or
+            the transport cannot add contexts.
+        RuntimeError: called inside a method, or not on context 0.
+        MacroflowError: ``init`` raised in a new context (with its traceback;
+            that context is not used, the others are).
+        ContextLost: a new context died before it reported in.
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     new = mf.add_contexts(2)
+        ...     return new, mf.num_contexts()
+        >>> mf.run(main, contexts=2, transport="inproc")
+        ([2, 3], 4)
+    """
+    from .core import errors
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"add_contexts: n must be a positive int; got {n!r}")
+    if init is not None and not callable(init):
+        raise ValueError(f"add_contexts: init must be a function of the context id, or None; "
+                         f"got {init!r}")
+    s = _main_session("mf.add_contexts()")
+    eng = s.engine
+    assert eng is not None
+    ids = list(range(eng.size, eng.size + n))
+    s.launcher.add(ids, init)
+    eng.grow(ids[-1] + 1)
+    deadline = time.monotonic() + timeout
+    done = eng.driver.run_until(lambda: all(c in eng.joined or c in eng.lost for c in ids),
+                                deadline)
+    for c in eng.context_ids():  # every context may place work on the new ones now
+        if c != eng.id:
+            try:
+                eng.send(c, (MEMBERS, eng.size))
+            except Exception:
+                pass
+    eng.transport.flush()
+    if not done:
+        raise errors.TimeoutError(f"add_contexts: contexts {ids} did not report in within "
+                                  f"{timeout} s")
+    for c in ids:
+        if c in eng.lost:
+            raise errors.ContextLost(c, eng.lost[c])
+        error = eng.joined[c][1]
+        if error is not None:
+            eng.lost.setdefault(c, "its init raised")  # no work goes there
+            raise errors.MacroflowError(f"init of new context {c} raised (the context is not "
+                                        f"used):\n{error}")
+    return ids
 
 
 def new_computation_id() -> str:
@@ -420,9 +640,28 @@ def fork_error(ctx: int, n: int, err: OSError) -> Exception:
     return err
 
 
+def joined(eng: Engine, get_init: Callable[[], Any]) -> bool:
+    """Run the ``init`` of a context added while running (``get_init()`` gives
+    it, or None), then report in to context 0 with this context's description,
+    or with the error init raised. Returns False if init failed."""
+    error = None
+    try:
+        init = get_init()
+        if init is not None:
+            init(eng.id)
+    except BaseException:
+        error = traceback.format_exc()
+    info = ContextInfo(eng.id, node_name(), os.getpid(),
+                       (eng.transport.address(),), "failed" if error else "running")
+    eng.send(0, (JOINED, (info, error)))
+    eng.transport.flush()
+    return error is None
+
+
 def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
                 inherited: List[socket.socket], mesh: Any, placement: Placement,
-                spin_us: float, computation: str) -> None:  # pragma: no cover
+                spin_us: float, computation: str,
+                init_blob: Optional[bytes] = None) -> None:  # pragma: no cover
     code = 0
     eng = None
     try:
@@ -447,6 +686,10 @@ def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
                      placement.copy(), computation=computation)
         eng.describe_lost = lambda peer: ""  # the transport's own words say it best here
         _ctx._state.default = eng
+        if init_blob is not None:  # added while running: initialise, then report in
+            if not joined(eng, lambda: marshal.loads(init_blob)):
+                code = 1
+                return
         eng.serve_forever()
     except BaseException:
         text = traceback.format_exc()

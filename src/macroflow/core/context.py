@@ -58,7 +58,7 @@ from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, sit
 from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
-CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE = range(9)
+CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
 _encode = marshal._encoder.dumps
 
 # kinds of call targets
@@ -255,6 +255,8 @@ class Engine:
         self.timed_wait = False  # main waits with a timeout: start no regular call here
         self.stop_at: Optional[float] = None  # inproc: leave the inbox for later after this time
         self.loads = [0] * size
+        # contexts added while running, as they report in: id -> their description
+        self.joined: Dict[int, Any] = {}
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
         self.stopping = False
@@ -270,9 +272,17 @@ class Engine:
     def load(self) -> int:
         return self.active + self.base_load
 
-    def context_ids(self) -> range:
-        """The ids of every context of the computation, this one included."""
-        return range(self.size)
+    def context_ids(self) -> List[int]:
+        """The ids of every context of the computation that has not left, this
+        one included."""
+        return [c for c in range(self.size) if c not in self.lost]
+
+    def grow(self, size: int) -> None:
+        """Contexts up to id ``size - 1`` exist: ids are given out in order, so
+        hearing of one (a frame from it, a MEMBERS message) is enough."""
+        if size > self.size:
+            self.loads.extend([0] * (size - len(self.loads)))
+            self.size = size
 
     def send(self, dest: int, header: tuple) -> None:
         data, bufs = marshal.dumps(header)
@@ -349,6 +359,8 @@ class Engine:
             self.eager[fid] = weakref.ref(fut)
         self.stats.calls_issued += 1
         if dest != self.id:
+            if dest >= self.size:
+                self.grow(dest + 1)
             self.loads[dest] += 1
         else:
             self.active += 1  # queued here already: the next placement must see it
@@ -575,7 +587,11 @@ class Engine:
             if stop is not None and time.monotonic() >= stop:
                 break  # a waiter in this thread is due (inproc): the rest can wait
             src, bufs, load = inbox.popleft()
-            self.loads[src] = load
+            try:
+                self.loads[src] = load
+            except IndexError:  # a context added while running, before its MEMBERS
+                self.grow(src + 1)
+                self.loads[src] = load
             b0 = bufs[0]
             if b0[0] == _V:
                 _, ok, a0, a1 = _VGET.unpack_from(b0)
@@ -637,6 +653,10 @@ class Engine:
             self.fatal[src] = msg[1]
         elif op == PROBE:
             self._on_probe(msg[1], msg[2], msg[3])
+        elif op == MEMBERS:
+            self.grow(msg[1])
+        elif op == JOINED:
+            self.joined[src] = msg[1]
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
@@ -768,6 +788,8 @@ class Engine:
         its value will be there, and requests for it here are passed on."""
         slot = self.slots[call.fid]
         slot.call = None
+        if dest >= self.size:
+            self.grow(dest + 1)
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
         self.send(dest, frame)

@@ -205,6 +205,10 @@ def check_room(contexts: int, transport: str = "local") -> None:
             f"before mf.init or mf.run)"))
 
 
+#: the most contexts (started and added while running) one local computation can have
+MESH_CAPACITY = 1 << 16
+
+
 class Mesh:
     """Where the contexts of one computation listen for connections, and which do.
 
@@ -231,7 +235,8 @@ class Mesh:
         self.computation = computation
         self.size = size
         self.secret = secret if secret is not None else os.urandom(16)
-        self.states = mmap.mmap(-1, max(size, 1))
+        # room for contexts added while running; pages never touched cost nothing
+        self.states = mmap.mmap(-1, max(size, MESH_CAPACITY))
 
     def address(self, ctx: int) -> bytes:
         return f"\0macroflow-{self.computation}-{ctx}".encode()
@@ -418,6 +423,11 @@ class LocalTransport(Transport):
     def fileno(self) -> int:
         return self.ep.fileno()
 
+    def adopt(self, peer: int, sock: socket.socket) -> None:
+        """Take ``sock``, connected to context ``peer`` (one added while
+        running), as the connection frames to ``peer`` go on."""
+        self._add(peer, sock)
+
     def peers(self) -> List[int]:
         return [p for p, cs in self.links.items() if any(not c.closed for c in cs)]
 
@@ -426,7 +436,7 @@ class LocalTransport(Transport):
         """The connection to ``dest``, made now; ConnectionError if it cannot be
         (the peer is then reported lost, once)."""
         mesh = self.mesh
-        if mesh is None or dest in self.gone or not 0 < dest < mesh.size or dest == self.ctx:
+        if mesh is None or dest in self.gone or not 0 < dest < len(mesh.states) or dest == self.ctx:
             raise ConnectionError(f"no connection to context {dest}")
         deadline = 0.0
         pause = 0.0002
@@ -512,7 +522,7 @@ class LocalTransport(Transport):
         magic, peer, secret = _HELLO.unpack_from(c.rbuf, c.rs)
         mesh = self.mesh
         if (mesh is None or magic != _MAGIC or not hmac.compare_digest(secret, mesh.secret)
-                or not 0 < peer < mesh.size or peer == self.ctx or peer in self.gone):
+                or not 0 < peer < len(mesh.states) or peer == self.ctx or peer in self.gone):
             self._close(c, "bad hello")
             return False
         c.rs += _HELLO.size

@@ -1,0 +1,185 @@
+"""Contexts created while the program runs (mf.add_contexts) and the list of
+contexts (mf.contexts), on every transport."""
+
+import os
+import signal
+import threading
+
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+TAGS = {}  # context -> what its init left (one process holds them all on inproc)
+
+
+def set_tag(cid):
+    TAGS[mf.context_id()] = f"initialised-{cid}"
+
+
+def failing_init(cid):
+    raise ValueError(f"no room on {cid}")
+
+
+@mf.persistent
+class Where:
+    def here(self):
+        return mf.context_id()
+
+    def pid(self):
+        return os.getpid()
+
+    def tag(self):
+        return TAGS.get(mf.context_id())
+
+    def ask(self, other):
+        # a new context calls an old one (and the other way round)
+        return (mf.context_id(), other.here().result())
+
+
+def test_new_contexts_get_ids_after_the_old_ones_and_are_used_by_placement(run):
+    def main():
+        before = mf.num_contexts()
+        new = mf.add_contexts(2)
+        places = sorted({Where.create().here().result() for _ in range(8)})
+        return before, new, mf.num_contexts(), places
+
+    before, new, after, places = run(main, contexts=2)
+    assert (before, new, after) == (2, [2, 3], 4)
+    assert places == [1, 2, 3]  # round-robin over every context but 0, new ones included
+
+
+def test_init_runs_in_each_new_context_before_it_serves(run):
+    def main():
+        new = mf.add_contexts(2, init=set_tag)
+        return [Where.create(on=c).tag().result() for c in new]
+
+    assert run(main, contexts=2) == ["initialised-2", "initialised-3"]
+
+
+def test_new_and_old_contexts_call_each_other(run):
+    def main():
+        (new,) = mf.add_contexts(1)
+        old_obj, new_obj = Where.create(on=1), Where.create(on=new)
+        return new_obj.ask(old_obj).result(), old_obj.ask(new_obj).result()
+
+    assert run(main, contexts=2) == ((2, 1), (1, 2))
+
+
+def test_contexts_can_be_added_more_than_once(run):
+    def main():
+        a = mf.add_contexts(1)
+        b = mf.add_contexts(2)
+        return a, b, [c.id for c in mf.contexts()]
+
+    assert run(main, contexts=1) == ([1], [2, 3], [0, 1, 2, 3])
+
+
+def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not_used(run):
+    def main():
+        with pytest.raises(mf.MacroflowError) as err:
+            mf.add_contexts(1, init=failing_init)
+        states = [(c.id, c.state) for c in mf.contexts()]
+        more = mf.add_contexts(1)  # the computation goes on
+        places = {Where.create().here().result() for _ in range(6)}
+        return str(err.value), states, more, places
+
+    text, states, more, places = run(main, contexts=2)
+    assert "init of new context 2 raised" in text
+    assert "ValueError: no room on 2" in text and "Traceback" in text
+    assert states == [(0, "running"), (1, "running"), (2, "failed")]
+    assert more == [3]
+    assert places == {1, 3}
+
+
+@pytest.mark.parametrize("n, init, match", [
+    (0, None, "n must be a positive int; got 0"),
+    ("2", None, "n must be a positive int; got '2'"),
+    (True, None, "n must be a positive int; got True"),
+    (1, 42, "init must be a function of the context id, or None; got 42"),
+])
+def test_bad_arguments_are_refused(run, n, init, match):
+    def main():
+        with pytest.raises(ValueError, match=match):
+            mf.add_contexts(n, init=init)
+        return mf.num_contexts()
+
+    assert run(main, contexts=2) == 2
+
+
+@mf.persistent
+class Adder:
+    def add(self):
+        return mf.add_contexts(1)
+
+
+def test_only_main_can_add_contexts(run):
+    def main():
+        with pytest.raises(RuntimeError, match="inside a method"):
+            Adder.create(on=1).add().result()
+        return mf.num_contexts()
+
+    assert run(main, contexts=2) == 2
+
+
+def test_no_computation_no_contexts():
+    with pytest.raises(RuntimeError, match="no computation is running"):
+        mf.add_contexts(1)
+    with pytest.raises(RuntimeError, match="no computation is running"):
+        mf.contexts()
+
+
+def test_contexts_lists_node_pid_and_protocols(run, transport):
+    def main():
+        new = mf.add_contexts(1)
+        pids = [Where.create(on=c).pid().result() for c in (1, *new)]
+        return mf.contexts(), pids
+
+    infos, pids = run(main, contexts=2)
+    assert [c.id for c in infos] == [0, 1, 2]
+    assert [c.pid for c in infos] == [os.getpid(), *pids]
+    assert all(c.node == infos[0].node and c.state == "running" for c in infos)
+    assert all(c.protocols[0][0] == transport for c in infos)
+    if transport == "local":
+        assert len({c.pid for c in infos}) == 3  # three processes
+
+
+def test_local_adds_contexts_while_main_has_threads():
+    # fork() in a multithreaded process copies one thread and every lock the
+    # others held; the fork server forks instead, so a held lock is harmless
+    held = threading.Lock()
+    release = threading.Event()
+
+    def hold():
+        with held:
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+
+    def main():
+        t.start()
+        try:
+            (new,) = mf.add_contexts(1)
+            return Where.create(on=new).here().result()
+        finally:
+            release.set()
+            t.join()
+
+    assert mf.run(main, contexts=2, transport="local") == 2
+
+
+def test_local_new_context_killed_fails_its_futures_and_the_rest_goes_on():
+    def main():
+        (new,) = mf.add_contexts(1)
+        victim = Where.create(on=new)
+        os.kill(victim.pid().result(), signal.SIGKILL)
+        with pytest.raises(mf.ContextLost) as err:
+            victim.here().result()
+        survivor = Where.create(on=1).here().result()
+        return str(err.value), survivor, [(c.id, c.state) for c in mf.contexts()]
+
+    text, survivor, states = mf.run(main, contexts=2, transport="local")
+    assert "context 2" in text and "killed by signal SIGKILL" in text
+    assert survivor == 1
+    assert states == [(0, "running"), (1, "running"), (2, "lost")]
