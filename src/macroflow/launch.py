@@ -523,8 +523,8 @@ def contexts() -> List[ContextInfo]:
                 info = dataclasses.replace(info, state="lost")
         else:
             pid = s.launcher.pid(c)
-            proto = eng.transport.address()[0]
-            info = ContextInfo(c, node_name(), pid, ((proto, f"{node_name()}:{pid}"),),
+            proto, addr = eng.transport.address()
+            info = ContextInfo(c, node_name(), pid, ((proto, f"{addr.rsplit(':', 1)[0]}:{pid}"),),
                                "lost" if c in eng.lost else "running")
         out.append(info)
     return out

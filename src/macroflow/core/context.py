@@ -1468,6 +1468,13 @@ class Engine:
         pool = getattr(self.transport, "pool", None)
         if pool is not None:
             d.update(buffers_reused=pool.reused, buffer_pool_bytes=pool.held)
+        counters = getattr(self.transport, "counters", None)
+        st = self.stats
+        # messages and bytes per protocol: one protocol carries everything unless
+        # the transport is made of several
+        d["protocols"] = counters() if counters is not None else {self.transport.name: {
+            "messages_sent": st.messages_sent, "bytes_sent": st.bytes_sent,
+            "messages_received": st.messages_received, "bytes_received": st.bytes_received}}
         return d
 
 

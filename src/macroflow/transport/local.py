@@ -205,6 +205,22 @@ def check_room(contexts: int, transport: str = "local") -> None:
             f"before mf.init or mf.run)"))
 
 
+def node_key() -> str:
+    """What makes two processes able to use the local path to each other: the
+    same host and the same network namespace (abstract sockets are per namespace).
+
+    Example:
+        >>> import socket
+        >>> node_key().startswith(socket.gethostname())
+        True
+    """
+    try:
+        ns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        ns = 0
+    return f"{socket.gethostname()}~{ns}"
+
+
 #: the most contexts (started and added while running) one local computation can have
 MESH_CAPACITY = 1 << 16
 
@@ -539,7 +555,15 @@ class LocalTransport(Transport):
         return False
 
     def address(self):
-        return ("local", f"{os.uname().nodename}:{os.getpid()}")
+        """("local", "NODE/MESH:PID"): the host (and network namespace), the
+        computation's mesh, and this process."""
+        mesh = self.mesh.computation if self.mesh is not None else "-"
+        return ("local", f"{node_key()}/{mesh}:{os.getpid()}")
+
+    def reaches(self, address: str) -> bool:
+        """True if a context at local ``address`` is in this context's mesh on this host."""
+        return self.mesh is not None and address.rsplit(":", 1)[0] == \
+            f"{node_key()}/{self.mesh.computation}"
 
     # -- sending ---------------------------------------------------------
     def queue(self, dest: int, parts: Sequence[object], load: int) -> int:

@@ -1,0 +1,252 @@
+"""Several protocols in one program (Nexus): one transport made of protocol modules.
+
+A context that can be reached in more than one way (by the ``local`` path from
+contexts of its own host, by ``tcp`` from workers that joined from other hosts,
+by ``mpi`` from ranks of its MPI job) holds one module per protocol, in order
+of preference, behind this one :class:`~macroflow.transport.base.Transport`.
+
+Every context has a descriptor list, ``((protocol, address), ...)``, as a
+global pointer carries it. To send to a context, the first module (in
+preference order) whose protocol is on the receiver's list and that can reach
+the address there (``module.reaches(address)``: the local path only reaches
+its own host and computation) carries every frame to it from then on, so
+frames keep their order per pair. Frames are counted per protocol, so a
+program can see which path its messages took (``mf.stats()``).
+
+Descriptors are learnt with :meth:`MultiTransport.learn`, or from another
+context's :meth:`MultiTransport.announce` (context 0 tells every context about
+one that joins), which the receiving transport applies as soon as it reads it,
+before the engine sees anything after it. A frame for a context not known yet
+waits, the transport making progress meanwhile, until its descriptor arrives;
+after ``ROUTE_WAIT`` seconds the context is reported lost.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .base import Transport
+
+#: seconds a frame for a context with no known descriptor waits for one
+ROUTE_WAIT = 10.0
+# first byte of the transport's own frames (engine frames start with a pickle's
+# 0x80 or a struct's "V"/"W")
+_CONTROL = b"\x00"
+_PREEMPTED = 0.001
+
+
+class MultiTransport(Transport):
+    """Protocol modules of one context, used by the best one each peer shares.
+
+    ``modules`` in order of preference; ``directory`` maps context ids to their
+    descriptor lists (more are learnt while running).
+
+    Example:
+        >>> import socket
+        >>> from macroflow.transport.local import LocalTransport
+        >>> a, b = socket.socketpair()
+        >>> ta = MultiTransport(0, [LocalTransport(0, {1: a})], {1: (("local", "x"),)})
+        >>> tb = LocalTransport(1, {0: b})
+        >>> got = []
+        >>> ta.attach(None, None); tb.attach(lambda s, bufs, l: got.append(bytes(bufs[0])), None)
+        >>> ta.send(1, [b"hi"], 0) > 0, tb.poll(1.0), got
+        (True, True, [b'hi'])
+        >>> ta.counters()["local"]["messages_sent"]
+        1
+        >>> ta.close(); tb.close()
+    """
+
+    name = "multi"
+
+    def __init__(self, ctx: int, modules: Sequence[Transport],
+                 directory: Optional[Dict[int, Tuple[Tuple[str, str], ...]]] = None,
+                 spin_us: float = 0.0) -> None:
+        super().__init__()
+        if not modules:
+            raise ValueError("MultiTransport needs at least one protocol module")
+        names = [m.name for m in modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"one module per protocol; got {names}")
+        self.ctx = ctx
+        self.modules: List[Transport] = list(modules)
+        self.byname = {m.name: m for m in modules}
+        self.directory: Dict[int, Tuple[Tuple[str, str], ...]] = dict(directory or {})
+        self.route: Dict[int, Transport] = {}
+        self.spin_s = spin_us / 1e6
+        self.counts: Dict[str, Dict[str, int]] = {
+            m.name: {"messages_sent": 0, "bytes_sent": 0,
+                     "messages_received": 0, "bytes_received": 0} for m in modules}
+        self.ep = select.epoll()
+        self.byfd: Dict[int, Transport] = {}
+        self.blind: List[Transport] = []  # modules with no descriptor to sleep on
+        for m in modules:
+            fd = m.fileno()
+            if fd is None:
+                self.blind.append(m)
+            else:
+                self.byfd[fd] = m
+                self.ep.register(fd, select.EPOLLIN)
+
+    # -- wiring ------------------------------------------------------------
+    def attach(self, deliver, lost) -> None:
+        super().attach(deliver, lost)
+        for m in self.modules:
+            m.attach(self._delivered_by(m), self._lost_by(m))
+
+    def _delivered_by(self, m: Transport):
+        counts = self.counts[m.name]
+
+        def deliver(src: int, bufs: List[object], load: int) -> None:
+            counts["messages_received"] += 1
+            counts["bytes_received"] += sum(memoryview(b).nbytes for b in bufs)
+            if memoryview(bufs[0])[:1] == _CONTROL:  # the transport's own: never the engine's
+                _kind, ctx, protocols = pickle.loads(memoryview(bufs[0])[1:])
+                self.learn(ctx, protocols)
+                return
+            if self.deliver is not None:
+                self.deliver(src, bufs, load)
+        return deliver
+
+    def _lost_by(self, m: Transport):
+        def lost(peer: int, how: str) -> None:
+            # a module that carries nothing to this peer losing it says nothing
+            # about the peer (a tcp worker may also have been reachable locally)
+            if self.route.get(peer, m) is m and self.lost is not None:
+                self.lost(peer, f"{how} ({m.name})" if len(self.modules) > 1 else how)
+        return lost
+
+    def learn(self, ctx: int, protocols: Sequence[Tuple[str, str]]) -> None:
+        """Context ``ctx`` can be reached by ``protocols`` ((name, address) pairs)."""
+        self.directory[ctx] = tuple((str(p), str(a)) for p, a in protocols)
+        for p, addr in self.directory[ctx]:
+            m = self.byname.get(p)
+            learn = getattr(m, "learn", None)
+            if learn is not None:
+                learn(ctx, addr)
+
+    def announce(self, dest: int, ctx: int, protocols: Sequence[Tuple[str, str]]) -> None:
+        """Tell context ``dest`` how to reach context ``ctx``; it learns it as soon
+        as the frame arrives, even in the middle of a send of its own."""
+        frame = _CONTROL + pickle.dumps(("learn", ctx, tuple(protocols)))
+        self.send(dest, [frame], 0)
+
+    def choose(self, dest: int) -> Optional[Transport]:
+        """The module frames to ``dest`` go by, or None if no shared protocol is known."""
+        m = self.route.get(dest)
+        if m is not None:
+            return m
+        offered = dict(self.directory.get(dest, ()))
+        for m in self.modules:
+            addr = offered.get(m.name)
+            if addr is not None and getattr(m, "reaches", _reaches_all)(addr) \
+                    or dest in (m.peers() or ()):  # connected already (before the fork)
+                self.route[dest] = m
+                return m
+        return None
+
+    def _module_for(self, dest: int) -> Transport:
+        m = self.choose(dest)
+        if m is not None:
+            return m
+        deadline = time.monotonic() + ROUTE_WAIT
+        while m is None:
+            if time.monotonic() > deadline:
+                how = (f"no protocol of this context ({', '.join(self.byname)}) reaches it: it "
+                       f"offers {[p for p, _ in self.directory[dest]]}") if dest in self.directory \
+                    else f"no descriptor of it arrived within {ROUTE_WAIT:g} s"
+                if self.lost is not None:
+                    self.lost(dest, how)
+                raise ConnectionError(f"context {dest}: {how}")
+            self.poll(0.01)  # the descriptor may be on its way
+            m = self.choose(dest)
+        return m
+
+    # -- the Transport interface --------------------------------------------
+    def send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        m = self.route.get(dest) or self._module_for(dest)
+        n = m.send(dest, parts, load)
+        c = self.counts[m.name]
+        c["messages_sent"] += 1
+        c["bytes_sent"] += n
+        return n
+
+    def queue(self, dest: int, parts: Sequence[object], load: int) -> int:
+        m = self.route.get(dest) or self._module_for(dest)
+        n = m.queue(dest, parts, load)
+        c = self.counts[m.name]
+        c["messages_sent"] += 1
+        c["bytes_sent"] += n
+        return n
+
+    def flush(self) -> None:
+        for m in self.modules:
+            m.flush()
+
+    def poll(self, timeout: Optional[float]) -> bool:
+        got = False
+        for m in self.modules:
+            got = m.poll(0) or got
+        if got or timeout == 0:
+            return got
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.spin_s > 0.0:
+            end = time.perf_counter() + self.spin_s
+            last = time.perf_counter()
+            while True:
+                os.sched_yield()
+                if self.ep.poll(0) or any(m.poll(0) for m in self.blind):
+                    break
+                t = time.perf_counter()
+                if t > end or t - last > _PREEMPTED:
+                    break
+                last = t
+        while True:
+            wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.blind:  # no descriptor to sleep on: look at them every millisecond
+                wait = 0.001 if wait < 0 else min(wait, 0.001)
+            try:
+                events = self.ep.poll(wait)
+            except InterruptedError:
+                events = []
+            for fd, _ev in events:
+                got = self.byfd[fd].poll(0) or got
+            for m in self.blind:
+                got = m.poll(0) or got
+            if got or (deadline is not None and time.monotonic() >= deadline):
+                return got
+
+    def close(self) -> None:
+        for m in self.modules:
+            m.close()
+        self.ep.close()
+
+    def fileno(self) -> Optional[int]:
+        return None if self.blind else self.ep.fileno()
+
+    def peers(self) -> Optional[List[int]]:
+        out: set = set()
+        for m in self.modules:
+            p = m.peers()
+            if p is None:
+                return None
+            out.update(p)
+        return sorted(out)
+
+    def address(self) -> Tuple[str, str]:
+        return self.modules[0].address()
+
+    def addresses(self) -> Tuple[Tuple[str, str], ...]:
+        """Every (protocol, address) this context can be reached by, best first."""
+        return tuple(m.address() for m in self.modules)
+
+    def counters(self) -> Dict[str, Dict[str, int]]:
+        """Messages and bytes sent and received, per protocol."""
+        return {name: dict(c) for name, c in self.counts.items()}
+
+
+def _reaches_all(_address: str) -> bool:
+    return True
