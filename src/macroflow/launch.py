@@ -319,7 +319,7 @@ class ForkLauncher(Launcher):
                     raise err from e
                 if pid == 0:  # pragma: no cover - runs in the child
                     _child_main(c, n, b, listener, [a, *mine.values()], mesh, placement,
-                                spin_us, s.computation)
+                                spin_us, s.computation, make_transport=self.child_transport)
                 self.pids[c] = pid
                 mine[c] = a
                 spare.clear()
@@ -328,9 +328,10 @@ class ForkLauncher(Launcher):
             # forked now, while this process is single-threaded (see forkserver)
             self.server = forkserver.start(
                 lambda ctx, sock, blob: _child_main(ctx, ctx + 1, sock, mesh.listen(ctx), [], mesh,
-                                                    placement, spin_us, s.computation, blob),
+                                                    placement, spin_us, s.computation, blob,
+                                                    make_transport=self.child_transport),
                 list(mine.values()))
-            eng = Engine(0, n, LocalTransport(0, mine, spin_us, mesh=mesh), placement,
+            eng = Engine(0, n, self.root_transport(mine, mesh, spin_us), placement,
                          computation=s.computation)
         except BaseException:
             for sk in spare:
@@ -343,10 +344,23 @@ class ForkLauncher(Launcher):
         eng.describe_lost = self.describe_lost
         return eng
 
+    def root_transport(self, socks: Dict[int, socket.socket], mesh: Any, spin_us: float) -> Any:
+        """Context 0's transport, given its socketpairs with the children."""
+        from .transport.local import LocalTransport
+        return LocalTransport(0, socks, spin_us, mesh=mesh)
+
+    def child_transport(self, ctx: int, sock: socket.socket, listener: socket.socket,
+                        mesh: Any, spin_us: float) -> Any:  # pragma: no cover - in children
+        """Context ``ctx``'s transport, made in its process after the fork."""
+        from .transport.local import LocalTransport
+        return LocalTransport(ctx, {0: sock}, spin_us, mesh=mesh, listener=listener)
+
     def add(self, ids: List[int], init: Any) -> None:
         from .transport.local import nofile_error
         eng = self.engine
-        assert eng is not None and self.server is not None
+        assert eng is not None
+        if self.server is None:
+            super().add(ids, init)
         blob, bufs = marshal.dumps(init)
         if bufs:
             raise ValueError("init must be a function (it pickled with out-of-band buffers)")
@@ -660,8 +674,8 @@ def joined(eng: Engine, get_init: Callable[[], Any]) -> bool:
 
 def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
                 inherited: List[socket.socket], mesh: Any, placement: Placement,
-                spin_us: float, computation: str,
-                init_blob: Optional[bytes] = None) -> None:  # pragma: no cover
+                spin_us: float, computation: str, init_blob: Optional[bytes] = None,
+                make_transport: Optional[Callable[..., Any]] = None) -> None:  # pragma: no cover
     code = 0
     eng = None
     try:
@@ -681,8 +695,8 @@ def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
         np_random = sys.modules.get("numpy.random")
         if np_random is not None:
             np_random.seed()
-        from .transport.local import LocalTransport
-        eng = Engine(ctx, n, LocalTransport(ctx, {0: sock}, spin_us, mesh=mesh, listener=listener),
+        assert make_transport is not None
+        eng = Engine(ctx, n, make_transport(ctx, sock, listener, mesh, spin_us),
                      placement.copy(), computation=computation)
         eng.describe_lost = lambda peer: ""  # the transport's own words say it best here
         _ctx._state.default = eng
