@@ -120,7 +120,7 @@ def test_the_preferred_protocol_wins_when_both_reach(monkeypatch):
 
 def test_a_descriptor_announced_by_a_peer_is_learnt_before_anything_after_it(world):
     # context 2 tells 0 how to reach context 7 (alt only), then sends a frame
-    frame = multi._CONTROL + __import__("pickle").dumps(("learn", 7, (("alt", "alt-7"),)))
+    frame = multi._CONTROL + __import__("pickle").dumps(("learn", (7, (("alt", "alt-7"),))))
     world.two.send(0, [frame], 0)
     world.two.send(0, [b"after"], 0)
     world.pump(lambda: world.got[0])

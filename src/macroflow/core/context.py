@@ -257,6 +257,7 @@ class Engine:
         self.loads = [0] * size
         # contexts added while running, as they report in: id -> their description
         self.joined: Dict[int, Any] = {}
+        self.on_joined: Optional[Callable[[int], None]] = None  # the launcher's, on context 0
         self.active = 0  # calls received here and not finished: the local load
         self.base_load = 1 if ctx == 0 else 0  # context 0 runs main
         self.stopping = False
@@ -657,6 +658,8 @@ class Engine:
             self.grow(msg[1])
         elif op == JOINED:
             self.joined[src] = msg[1]
+            if self.on_joined is not None:
+                self.on_joined(src)
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg

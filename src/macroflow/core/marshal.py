@@ -46,6 +46,13 @@ def snapshot_main() -> None:
     _main_snapshot = dict(vars(main)) if main is not None else {}
 
 
+def main_by_value() -> None:
+    """Receivers that did not fork from this program (workers that join over
+    TCP) cannot find ``__main__``'s classes by name: send them all by value."""
+    global _main_snapshot
+    _main_snapshot = {}
+
+
 def forget_main_snapshot() -> None:
     """In-process transports share ``__main__``; everything can go by reference."""
     global _main_snapshot

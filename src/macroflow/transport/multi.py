@@ -27,7 +27,7 @@ import os
 import pickle
 import select
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .base import Transport
 
@@ -36,6 +36,8 @@ ROUTE_WAIT = 10.0
 # first byte of the transport's own frames (engine frames start with a pickle's
 # 0x80 or a struct's "V"/"W")
 _CONTROL = b"\x00"
+#: ids from here up are guests: a worker asking to join, before it has context ids
+GUEST_BASE = 1 << 31
 _PREEMPTED = 0.001
 
 
@@ -76,6 +78,7 @@ class MultiTransport(Transport):
         self.byname = {m.name: m for m in modules}
         self.directory: Dict[int, Tuple[Tuple[str, str], ...]] = dict(directory or {})
         self.route: Dict[int, Transport] = {}
+        self.control: Dict[str, Callable[[int, object], None]] = {}  # kind -> handler
         self.spin_s = spin_us / 1e6
         self.counts: Dict[str, Dict[str, int]] = {
             m.name: {"messages_sent": 0, "bytes_sent": 0,
@@ -104,9 +107,16 @@ class MultiTransport(Transport):
             counts["messages_received"] += 1
             counts["bytes_received"] += sum(memoryview(b).nbytes for b in bufs)
             if memoryview(bufs[0])[:1] == _CONTROL:  # the transport's own: never the engine's
-                _kind, ctx, protocols = pickle.loads(memoryview(bufs[0])[1:])
-                self.learn(ctx, protocols)
+                kind, payload = pickle.loads(memoryview(bufs[0])[1:])
+                if kind == "learn":
+                    self.learn(*payload)
+                else:
+                    handler = self.control.get(kind)
+                    if handler is not None:
+                        handler(src, payload)
                 return
+            if src >= GUEST_BASE:
+                return  # a guest (a worker asking to join) is not a context: nothing for the engine
             if self.deliver is not None:
                 self.deliver(src, bufs, load)
         return deliver
@@ -115,7 +125,7 @@ class MultiTransport(Transport):
         def lost(peer: int, how: str) -> None:
             # a module that carries nothing to this peer losing it says nothing
             # about the peer (a tcp worker may also have been reachable locally)
-            if self.route.get(peer, m) is m and self.lost is not None:
+            if peer < GUEST_BASE and self.route.get(peer, m) is m and self.lost is not None:
                 self.lost(peer, f"{how} ({m.name})" if len(self.modules) > 1 else how)
         return lost
 
@@ -124,15 +134,20 @@ class MultiTransport(Transport):
         self.directory[ctx] = tuple((str(p), str(a)) for p, a in protocols)
         for p, addr in self.directory[ctx]:
             m = self.byname.get(p)
-            learn = getattr(m, "learn", None)
+            learn = getattr(m, "learn", None) or getattr(m, "add_peer", None)
             if learn is not None:
                 learn(ctx, addr)
 
     def announce(self, dest: int, ctx: int, protocols: Sequence[Tuple[str, str]]) -> None:
         """Tell context ``dest`` how to reach context ``ctx``; it learns it as soon
         as the frame arrives, even in the middle of a send of its own."""
-        frame = _CONTROL + pickle.dumps(("learn", ctx, tuple(protocols)))
-        self.send(dest, [frame], 0)
+        self.send_control(dest, "learn", (ctx, tuple(protocols)))
+
+    def send_control(self, dest: int, kind: str, payload: object) -> None:
+        """Send a frame of the transports' own to ``dest``, for the handler
+        registered there in ``control[kind]`` (called with (src, payload)
+        as soon as the frame is read)."""
+        self.send(dest, [_CONTROL + pickle.dumps((kind, payload))], 0)
 
     def choose(self, dest: int) -> Optional[Transport]:
         """The module frames to ``dest`` go by, or None if no shared protocol is known."""
