@@ -8,7 +8,7 @@ import pytest
 
 import macroflow as mf
 
-TRANSPORTS = ["inproc", "local"]
+TRANSPORTS = ["inproc", "local", "tcp"]
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -363,7 +363,7 @@ def load_transport(scheme: str) -> Any:
         >>> load_transport("carrier-pigeon")
         Traceback (most recent call last):
         ...
-        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local
+        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local, tcp
     """
     import importlib
     path = REGISTRY.get(scheme) if isinstance(scheme, str) else None
