@@ -184,3 +184,16 @@ def test_bad_construction_is_refused():
     finally:
         t1.close()
         t2.close()
+
+
+def test_a_blocking_poll_returns_when_a_peer_is_lost_without_a_frame(world):
+    # the engine learns of lost peers only when poll returns: it must not sleep on
+    t = threading.Thread(target=world.two.close)
+    t.start()
+    assert world.zero.poll(30.0) is False  # nothing delivered, but it came back
+    t.join()
+    for _ in range(100):
+        if world.lost:
+            break
+        world.zero.poll(0.01)
+    assert [p for p, _ in world.lost] == [2]

@@ -7,14 +7,24 @@ Supporting a new protocol in the suite means adding one builder to
 sender waits for its reader (``backlog``).
 """
 
+import atexit
+import functools
+import os
+import shutil
 import socket
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
+
+import pytest
 
 from macroflow.launch import new_computation_id
 from macroflow.transport.inproc import InprocTransport, World
 from macroflow.transport.local import LocalTransport, Mesh
+from macroflow.transport.tcp import TcpTransport
 
 
 class Worker:
@@ -224,11 +234,113 @@ def build_local_mesh(n: int) -> Ends:
     return Ends("local-mesh", ends, reports_lost=True, has_fileno=True, backlog=_local_backlog)
 
 
+#: the secret the tcp ends of the harness share
+SECRET = "a secret for the transport tests, 16+ bytes"
+
+
+@functools.lru_cache(maxsize=None)
+def certificate() -> Tuple[str, str]:
+    """(certificate file, key file) of a self-signed certificate for localhost
+    and 127.0.0.1, made once per test run with the openssl command; the test
+    is skipped, saying why, where openssl is not installed.
+
+    Example:
+        >>> cert, key = certificate()
+        >>> open(cert).read().startswith("-----BEGIN CERTIFICATE-----")
+        True
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("TLS tests need the openssl command, to make a self-signed certificate")
+    where = tempfile.mkdtemp(prefix="macroflow-tls-")
+    atexit.register(shutil.rmtree, where, True)
+    cert, key = os.path.join(where, "cert.pem"), os.path.join(where, "key.pem")
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True, timeout=120)
+    return cert, key
+
+
+def tls_contexts() -> Tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) ssl contexts that trust :func:`certificate` and
+    nothing else; the client checks the server's name.
+
+    Example:
+        >>> server, client = tls_contexts()
+        >>> client.check_hostname, client.verify_mode == ssl.CERT_REQUIRED
+        (True, True)
+    """
+    cert, key = certificate()
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=cert)
+    return server, client
+
+
+def tcp_ends(n: int, tls: bool = False, **kw) -> Dict[int, TcpTransport]:
+    """``n`` TCP transports numbered 0..n-1 on loopback, each knowing where the
+    others listen, not connected yet (``kw``: more TcpTransport arguments).
+
+    Example:
+        >>> ends = tcp_ends(2)
+        >>> ends[0].directory == {1: ends[1].address()[1]}
+        True
+        >>> for t in ends.values(): t.close()
+    """
+    extra = dict(zip(("server_ssl", "client_ssl"), tls_contexts())) if tls else {}
+    comp = new_computation_id()
+    ends = {i: TcpTransport(i, SECRET, comp, **extra, **kw) for i in range(n)}
+    for i, t in ends.items():
+        for j, u in ends.items():
+            if i != j:
+                t.add_peer(j, u.address()[1])
+    return ends
+
+
+def _build_tcp(n: int, tls: bool) -> Ends:
+    ends = tcp_ends(n, tls)
+    e = Ends("tcp-tls" if tls else "tcp", ends, reports_lost=True, has_fileno=True,
+             backlog=_local_backlog)
+    # Connections are made on demand, but a handshake needs both ends to poll:
+    # the suite's senders may run before their receiver is first polled (that
+    # connecting on demand works is checked in test_transport_tcp.py)
+    for i in ends:
+        for j in ends:
+            if i < j:
+                ends[i].connect(j, wait=False)
+    e.pump(lambda: all(sorted(t.peers()) == [j for j in ends if j != i] for i, t in ends.items()))
+    return e
+
+
+def build_tcp(n: int) -> Ends:
+    """``n`` ends of the tcp transport over loopback, numbered 0..n-1, connected.
+
+    Example:
+        >>> e = build_tcp(2); e.ends[0].peers()
+        [1]
+        >>> e.close()
+    """
+    return _build_tcp(n, tls=False)
+
+
+def build_tcp_tls(n: int) -> Ends:
+    """The same as :func:`build_tcp`, over TLS (skipped where openssl is missing).
+
+    Example:
+        >>> e = build_tcp_tls(2); e.ends[1].peers()
+        [0]
+        >>> e.close()
+    """
+    return _build_tcp(n, tls=True)
+
+
 #: transport -> builder of n connected ends; the suite runs on every entry
 BUILDERS: Dict[str, Callable[[int], Ends]] = {
     "inproc": build_inproc,
     "local": build_local,
     "local-mesh": build_local_mesh,
+    "tcp": build_tcp,
+    "tcp-tls": build_tcp_tls,
 }
 
 
@@ -241,7 +353,7 @@ def build(name: str, n: int) -> Ends:
         >>> build("smoke-signals", 2)
         Traceback (most recent call last):
         ...
-        ValueError: no harness for transport 'smoke-signals'; known: inproc, local, local-mesh
+        ValueError: no harness for transport 'smoke-signals'; known: inproc, local, local-mesh, tcp, tcp-tls
     """
     if name not in BUILDERS:
         raise ValueError(f"no harness for transport {name!r}; known: {', '.join(BUILDERS)}")

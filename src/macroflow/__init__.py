@@ -29,6 +29,7 @@ from .launch import ContextInfo as ContextInfo
 from .launch import Session as Session
 from .launch import add_contexts as add_contexts
 from .launch import contexts as contexts
+from .launch import wait_contexts as wait_contexts
 from .launch import init as init
 from .launch import run as run
 from .launch import shutdown as shutdown

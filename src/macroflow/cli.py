@@ -103,6 +103,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from macroflow.join import tls_contexts, worker_main
+    from macroflow.transport.tcp import load_secret, parse_address
+    try:
+        parse_address(args.connect)
+        secret = load_secret(args.secret_file)
+        tls = tls_contexts(args.tls_cert, args.tls_key)
+    except (ValueError, OSError) as e:
+        args.parser.error(str(e))
+    if args.secret_file is None and not os.environ.get("MACROFLOW_SECRET") \
+            and not os.environ.get("MACROFLOW_SECRET_FILE"):
+        args.parser.error("no secret: set MACROFLOW_SECRET (the program that listens printed "
+                          "it) or give --secret-file")
+    return worker_main(args.connect, args.n, secret, tls, bind=args.bind)
+
+
 def positive_int(text: str) -> int:
     """argparse type of a number of contexts: an int >= 1.
 
@@ -141,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run, parser=r)
+    w = sub.add_parser("worker", help="join a computation over TCP with N contexts")
+    w.add_argument("--connect", required=True, metavar="HOST:PORT",
+                   help="where the computation listens (mf.init(listen=...))")
+    w.add_argument("-n", type=positive_int, default=1, metavar="N",
+                   help="contexts to add from this host (default 1)")
+    w.add_argument("--secret-file", default=None, metavar="FILE",
+                   help="file holding the computation's secret (default: MACROFLOW_SECRET)")
+    w.add_argument("--tls-cert", default=None, metavar="FILE", help="TLS certificate (PEM)")
+    w.add_argument("--tls-key", default=None, metavar="FILE", help="its private key (PEM)")
+    w.add_argument("--bind", default=None, metavar="HOST",
+                   help="address this host's contexts listen on (default: the one that "
+                        "reaches --connect)")
+    w.set_defaults(fn=cmd_worker, parser=w)
     i = sub.add_parser("info", help="versions and transports present")
     i.set_defaults(fn=cmd_info)
     b = sub.add_parser("bench", help="run the benchmarks")

@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .core import context as _ctx
 from .core import marshal
@@ -121,7 +121,8 @@ class Session:
         >>> s.close()
     """
 
-    def __init__(self, contexts: int, transport: str, placement: Any, spin_us: float):
+    def __init__(self, contexts: int, transport: str, placement: Any, spin_us: float,
+                 make_launcher: Optional[Callable[["Session"], "Launcher"]] = None):
         self.size = contexts
         self.transport_name = transport
         self.closed = False
@@ -129,7 +130,7 @@ class Session:
         self.engine: Optional[Engine] = None
         self.started = time.perf_counter()
         self.computation = new_computation_id()
-        self.launcher: Launcher = load_transport(transport).launcher(self)
+        self.launcher: Launcher = (make_launcher or load_transport(transport).launcher)(self)
         self.engine = self.launcher.start(placement, spin_us)
         _ctx._state.default = self.engine
         _sessions.append(self)
@@ -233,6 +234,11 @@ class Launcher:
     def pid(self, ctx: int) -> Optional[int]:
         """The process id of context ``ctx`` (started with the computation)."""
         return os.getpid() if ctx == 0 else None
+
+    def protocols(self, ctx: int) -> Optional[Tuple[Tuple[str, str], ...]]:
+        """How context ``ctx`` (started with the computation) can be reached,
+        if the launcher knows better than its own transport's address."""
+        return None
 
 
 class InprocLauncher(Launcher):
@@ -465,7 +471,7 @@ def load_transport(scheme: str) -> Any:
         >>> load_transport("carrier-pigeon")
         Traceback (most recent call last):
         ...
-        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local
+        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local, tcp
     """
     import importlib
     path = REGISTRY.get(scheme) if isinstance(scheme, str) else None
@@ -546,11 +552,42 @@ def contexts() -> List[ContextInfo]:
                 info = dataclasses.replace(info, state="lost")
         else:
             pid = s.launcher.pid(c)
-            proto, addr = eng.transport.address()
-            info = ContextInfo(c, node_name(), pid, ((proto, f"{addr.rsplit(':', 1)[0]}:{pid}"),),
+            protocols = s.launcher.protocols(c)
+            if protocols is None:
+                proto, addr = eng.transport.address()
+                protocols = ((proto, f"{addr.rsplit(':', 1)[0]}:{pid}"),)
+            info = ContextInfo(c, node_name(), pid, tuple(protocols),
                                "lost" if c in eng.lost else "running")
         out.append(info)
     return out
+
+
+def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
+    """Wait until the computation has at least ``n`` live contexts (workers
+    joining over TCP, say), serving meanwhile; returns how many it has.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+        macroflow.TimeoutError: fewer than ``n`` after ``timeout`` seconds.
+
+    Example:
+        >>> import macroflow as mf
+        >>> mf.run(lambda: mf.wait_contexts(2, timeout=5), contexts=2, transport="inproc")
+        2
+    """
+    from .core import errors
+    from .core.context import check_timeout
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"wait_contexts: n must be a positive int; got {n!r}")
+    timeout = check_timeout(timeout)
+    s = _main_session("mf.wait_contexts()")
+    eng = s.engine
+    assert eng is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not eng.driver.run_until(lambda: len(eng.context_ids()) >= n, deadline):
+        raise errors.TimeoutError(f"wait_contexts: {len(eng.context_ids())} contexts after "
+                                  f"{timeout} s, not {n}")
+    return len(eng.context_ids())
 
 
 def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
@@ -676,8 +713,10 @@ def joined(eng: Engine, get_init: Callable[[], Any]) -> bool:
             init(eng.id)
     except BaseException:
         error = traceback.format_exc()
-    info = ContextInfo(eng.id, node_name(), os.getpid(),
-                       (eng.transport.address(),), "failed" if error else "running")
+    addresses = getattr(eng.transport, "addresses", None)
+    protocols = addresses() if addresses is not None else (eng.transport.address(),)
+    info = ContextInfo(eng.id, node_name(), os.getpid(), tuple(protocols),
+                       "failed" if error else "running")
     eng.send(0, (JOINED, (info, error)))
     eng.transport.flush()
     return error is None
@@ -731,7 +770,8 @@ def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
 
 
 def init(contexts: Optional[int] = None, transport: str = "local", placement: Any = None,
-         spin_us: Optional[float] = None) -> Session:
+         spin_us: Optional[float] = None, *, listen: Any = None, secret: Optional[str] = None,
+         tls: Optional[Tuple[str, str]] = None) -> Session:
     """Start a computation of ``contexts`` contexts; this process becomes context 0.
 
     For scripts and notebooks: use it as a context manager, or call
@@ -745,6 +785,15 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         spin_us: how long, in microseconds, an idle context polls before it
             sleeps: a finite number >= 0, 0 to sleep at once (default 50, or
             the MACROFLOW_SPIN_US environment variable).
+        listen: accept workers of other hosts (``macroflow worker --connect``)
+            at "HOST:PORT" (":PORT" or a port number: loopback only); the
+            contexts started here talk to each other by the local path and
+            to workers over TCP (see :mod:`macroflow.join`).
+        secret: the computation's secret for workers (at least 16
+            characters); default MACROFLOW_SECRET or MACROFLOW_SECRET_FILE,
+            else a new one, printed on standard error for you to hand on.
+        tls: ``(certificate file, key file)`` to speak TLS with workers
+            (every host uses the same pair).
 
     Raises:
         RuntimeError: a computation is already running in this process.
@@ -774,9 +823,43 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     module = load_transport(transport)
     check = getattr(module, "check_room", None)
+    make_launcher = None
+    if listen is not None:
+        make_launcher = _listen_launcher(transport, listen, secret, tls)
+    elif secret is not None or tls is not None:
+        raise ValueError("secret and tls are for a computation that listens for workers: "
+                         "give listen= too")
     if check is not None:
         check(contexts)  # before anything is started
-    return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us))
+    return Session(contexts, transport, Placement.make(placement), spin_us_setting(spin_us),
+                   make_launcher)
+
+
+def _listen_launcher(transport: str, listen: Any, secret: Optional[str],
+                     tls: Optional[Tuple[str, str]]) -> Callable[["Session"], "Launcher"]:
+    from .join import TcpLauncher, listen_address, tls_contexts
+    from .transport.tcp import format_address, load_secret
+    if transport != "local":
+        raise ValueError(f"listen= works with the local transport (contexts forked here, "
+                         f"workers joining over TCP); got transport={transport!r}")
+    host, port = listen_address(listen)
+    if tls is not None and (not isinstance(tls, (tuple, list)) or len(tls) != 2):
+        raise ValueError(f"tls must be (certificate file, key file); got {tls!r}")
+    contexts_tls = tls_contexts(*tls) if tls is not None else (None, None)
+    told = secret is not None or bool(os.environ.get("MACROFLOW_SECRET")) \
+        or bool(os.environ.get("MACROFLOW_SECRET_FILE"))
+    if secret is not None:
+        from .transport.tcp import _check_secret
+        secret = _check_secret(str(secret), "secret=")
+    else:
+        secret = load_secret()
+
+    def make(session: "Session") -> "Launcher":
+        launcher = TcpLauncher(session, f"{format_address(host, port)}", secret, contexts_tls)
+        if not told:
+            launcher.announce_secret = True
+        return launcher
+    return make
 
 
 def shutdown() -> None:
@@ -819,7 +902,9 @@ atexit.register(_shutdown_at_exit)
 
 
 def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, transport: str = "local",
-        placement: Any = None, spin_us: Optional[float] = None, **kwargs: Any) -> Any:
+        placement: Any = None, spin_us: Optional[float] = None, listen: Any = None,
+        secret: Optional[str] = None, tls: Optional[Tuple[str, str]] = None,
+        **kwargs: Any) -> Any:
     """Run ``main(*args, **kwargs)`` on context 0 of a new computation and return its value.
 
     If main returns a Future, its value is returned. Everything is torn down
@@ -838,7 +923,8 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, tr
         41
     """
     from .core.future import Future
-    session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us)
+    session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us,
+                   listen=listen, secret=secret, tls=tls)
     session.in_run = True
     try:
         with session:

@@ -9,7 +9,7 @@ interrupt would: use them for library-level machinery, not user methods.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Tuple
 
 from . import errors, marshal
 from .context import RSR, current_engine
@@ -68,9 +68,40 @@ def _check_gptr(gptr: Any, who: str, source: str) -> None:
                         f"got {type(gptr).__name__}")
 
 
-def protocols_of(eng: Any, ctx: int):
-    name, _addr = eng.transport.address() if eng.transport is not None else ("inproc", "")
-    return ((name, f"{name}:ctx{ctx}"),)
+def protocols_of(eng: Any, ctx: int) -> Tuple[Tuple[str, str], ...]:
+    """The (protocol, address) pairs that reach context ``ctx``, best first, as
+    this context knows them (a global pointer carries them).
+
+    Example:
+        >>> import macroflow as mf
+        >>> from macroflow.core.context import current_engine
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     [p for p, _ in protocols_of(current_engine(), 1)]
+        ['inproc']
+    """
+    t = eng.transport
+    if t is None:
+        return (("inproc", ""),)
+    if ctx == eng.id:
+        addresses = getattr(t, "addresses", None)
+        return tuple(addresses()) if addresses is not None else (t.address(),)
+    known = getattr(t, "directory", {}).get(ctx)
+    if known and not isinstance(known, str):
+        return tuple(known)
+    # not described to us: reachable by what this context speaks, at an
+    # address its transport knows
+    addresses = getattr(t, "addresses", None)
+    mine = addresses() if addresses is not None else (t.address(),)
+    return tuple((p, "") for p, _ in mine)
+
+
+def spoken(eng: Any) -> Tuple[str, ...]:
+    """The protocols this context speaks."""
+    t = eng.transport
+    if t is None:
+        return ("inproc",)
+    addresses = getattr(t, "addresses", None)
+    return tuple(p for p, _ in (addresses() if addresses is not None else (t.address(),)))
 
 
 def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: str = "inline") -> None:
@@ -119,10 +150,10 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
                         f"got {type(handler).__name__}")
     eng = current_engine_of(gptr.computation, "global pointer", gptr)
-    mine = eng.transport.name if eng.transport is not None else "inproc"
-    if gptr.protocols and mine not in gptr.protocol_names():
+    mine = spoken(eng)
+    if gptr.protocols and not set(mine) & set(gptr.protocol_names()):
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "
-                         f"this context speaks {mine!r}")
+                         f"this context speaks {mine}")
     try:
         eng.send(gptr.context, (RSR, gptr.gid, handler, args, thread))
     except marshal.PICKLE_ERRORS as e:

@@ -27,7 +27,7 @@ class Transport(abc.ABC):
     Example:
         >>> from macroflow.transport.base import REGISTRY
         >>> sorted(REGISTRY)
-        ['inproc', 'local']
+        ['inproc', 'local', 'tcp']
     """
 
     #: protocol name, as it appears in a GlobalPointer's protocol list
@@ -94,4 +94,5 @@ class Transport(abc.ABC):
 REGISTRY: Dict[str, str] = {
     "local": "macroflow.transport.local",
     "inproc": "macroflow.transport.inproc",
+    "tcp": "macroflow.transport.tcp",
 }

@@ -41,7 +41,7 @@ import struct
 import sys
 import time
 from collections import deque
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as _np
 
@@ -390,6 +390,8 @@ class LocalTransport(Transport):
     """
 
     name = "local"
+    #: errors of a receive that mean the connection is gone (others are bugs)
+    closed_errnos: Tuple[int, ...] = (errno.ECONNRESET, errno.EPIPE)
 
     def __init__(self, ctx: int, socks: Dict[int, socket.socket], spin_us: float = 0.0,
                  mesh: Optional[Mesh] = None, listener: Optional[socket.socket] = None):
@@ -770,7 +772,7 @@ class LocalTransport(Transport):
             except InterruptedError:
                 continue
             except OSError as e:
-                if e.errno in (errno.ECONNRESET, errno.EPIPE):
+                if e.errno in self.closed_errnos:
                     n = 0
                 else:
                     raise

@@ -79,6 +79,7 @@ class MultiTransport(Transport):
         self.directory: Dict[int, Tuple[Tuple[str, str], ...]] = dict(directory or {})
         self.route: Dict[int, Transport] = {}
         self.control: Dict[str, Callable[[int, object], None]] = {}  # kind -> handler
+        self.news = False  # a peer was lost during this poll
         self.spin_s = spin_us / 1e6
         self.counts: Dict[str, Dict[str, int]] = {
             m.name: {"messages_sent": 0, "bytes_sent": 0,
@@ -125,6 +126,7 @@ class MultiTransport(Transport):
         def lost(peer: int, how: str) -> None:
             # a module that carries nothing to this peer losing it says nothing
             # about the peer (a tcp worker may also have been reachable locally)
+            self.news = True  # poll goes back to the engine with it
             if peer < GUEST_BASE and self.route.get(peer, m) is m and self.lost is not None:
                 self.lost(peer, f"{how} ({m.name})" if len(self.modules) > 1 else how)
         return lost
@@ -149,6 +151,15 @@ class MultiTransport(Transport):
         as soon as the frame is read)."""
         self.send(dest, [_CONTROL + pickle.dumps((kind, payload))], 0)
 
+    def adopt(self, peer: int, sock: object) -> None:
+        """A socket connected to context ``peer`` (one added while running), for
+        the local path; without one, the peer connects by its other protocols."""
+        local = self.byname.get("local")
+        if local is not None:
+            local.adopt(peer, sock)  # type: ignore[attr-defined]
+        else:
+            sock.close()  # type: ignore[attr-defined]
+
     def choose(self, dest: int) -> Optional[Transport]:
         """The module frames to ``dest`` go by, or None if no shared protocol is known."""
         m = self.route.get(dest)
@@ -159,6 +170,10 @@ class MultiTransport(Transport):
             addr = offered.get(m.name)
             if addr is not None and getattr(m, "reaches", _reaches_all)(addr) \
                     or dest in (m.peers() or ()):  # connected already (before the fork)
+                self.route[dest] = m
+                return m
+        for m in self.modules:  # not described here, but a module knows where it is
+            if dest in getattr(m, "directory", ()):
                 self.route[dest] = m
                 return m
         return None
@@ -203,9 +218,10 @@ class MultiTransport(Transport):
 
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
+        self.news = False
         for m in self.modules:
             got = m.poll(0) or got
-        if got or timeout == 0:
+        if got or self.news or timeout == 0:
             return got
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.spin_s > 0.0:
@@ -231,7 +247,9 @@ class MultiTransport(Transport):
                 got = self.byfd[fd].poll(0) or got
             for m in self.blind:
                 got = m.poll(0) or got
-            if got or (deadline is not None and time.monotonic() >= deadline):
+            # an event that delivered nothing (a peer lost, a handshake step) is
+            # news for the engine too: go back to it
+            if got or events or (deadline is not None and time.monotonic() >= deadline):
                 return got
 
     def close(self) -> None:

@@ -1,0 +1,226 @@
+"""Workers that join over TCP (mf.init(listen=...), `macroflow worker`), several
+protocols in one program, and separate hosts made of network namespaces."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import macroflow as mf
+
+import netns
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "a secret of sixteen bytes or more"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def start_worker(address, n=1, secret=SECRET, extra=()):
+    """`macroflow worker` in a new process, finding this module's classes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
+           "MACROFLOW_SECRET": secret}
+    return subprocess.Popen([sys.executable, "-m", "macroflow", "worker", "--connect", address,
+                             "-n", str(n), *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def serve_until_done(worker, timeout=60):
+    """Let context 0 serve (the worker's handshake needs it) until the worker ends."""
+    import time
+    deadline = time.monotonic() + timeout
+    while worker.poll() is None and time.monotonic() < deadline:
+        try:
+            mf.wait_contexts(10 ** 6, timeout=0.05)
+        except mf.TimeoutError:
+            pass
+    return finish(worker)
+
+
+def finish(worker, timeout=30):
+    try:
+        out, err = worker.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        out, err = worker.communicate()
+    return worker.returncode, err
+
+
+@mf.persistent
+class Where:
+    def here(self):
+        return mf.context_id(), os.getpid()
+
+    def ask(self, other):
+        return other.here().result()[0]
+
+
+def protocol_counts(stats, ctx, proto):
+    return stats[ctx]["protocols"][proto]["messages_sent"]
+
+
+def test_a_worker_joins_and_its_contexts_are_full_contexts():
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address, n=2)
+        assert mf.wait_contexts(4, timeout=60) == 4
+        here = {c: Where.create(on=c).here().result() for c in (1, 2, 3)}
+        before = mf.stats()  # context 1 has talked to context 0 only
+        new2, new3, old1 = Where.create(on=2), Where.create(on=3), Where.create(on=1)
+        asked = (new2.ask(old1).result(), old1.ask(new3).result(), new2.ask(new3).result())
+        infos = mf.contexts()
+        stats = mf.stats()
+    code, err = finish(w)
+    assert code == 0, err
+    assert "joined computation" in err and "as contexts 2, 3" in err
+    assert sorted(here) == [1, 2, 3] and all(here[c][0] == c for c in here)
+    assert asked == (1, 3, 3)
+    assert [(c.id, c.state) for c in infos] == [(c, "running") for c in range(4)]
+    assert [c.pid for c in infos[2:]] == [here[2][1], here[3][1]]
+    assert all({p for p, _ in c.protocols} == {"local", "tcp"} for c in infos)
+    # contexts started together never used TCP; the worker's contexts reach the
+    # others over TCP, and each other by their own local path
+    assert protocol_counts(before, 1, "tcp") == 0 and protocol_counts(before, 1, "local") > 0
+    assert protocol_counts(before, 2, "tcp") > 0 and protocol_counts(before, 3, "tcp") > 0
+    assert protocol_counts(before, 2, "local") == 0
+    assert protocol_counts(stats, 1, "tcp") > 0  # it called a worker's context since
+    assert protocol_counts(stats, 2, "local") > 0  # new2 asked new3, on its own host
+
+
+def test_placement_uses_joined_contexts_and_a_second_worker_joins_later():
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w1 = start_worker(s.launcher.address)
+        mf.wait_contexts(3, timeout=60)
+        first = sorted({Where.create().here().result()[0] for _ in range(6)})
+        w2 = start_worker(s.launcher.address)
+        mf.wait_contexts(4, timeout=60)
+        second = sorted({Where.create().here().result()[0] for _ in range(9)})
+    assert first == [1, 2] and second == [1, 2, 3]
+    assert finish(w1)[0] == 0 and finish(w2)[0] == 0
+
+
+def test_a_worker_that_dies_fails_exactly_what_depended_on_it():
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address)
+        mf.wait_contexts(3, timeout=60)
+        victim, survivor = Where.create(on=2), Where.create(on=1)
+        pid = victim.here().result()[1]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(mf.ContextLost) as err:
+            victim.here().result(timeout=30)
+        assert err.value.context == 2
+        assert survivor.here().result()[0] == 1  # the computation goes on
+        assert {Where.create().here().result()[0] for _ in range(4)} == {1}
+        assert [c.state for c in mf.contexts()] == ["running", "running", "lost"]
+    code, err_text = finish(w)
+    assert code == 1 and "context 2 killed by signal SIGKILL" in err_text
+
+
+def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharmed(caplog):
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address, secret="another secret of sixteen bytes")
+        code, err = serve_until_done(w)
+        assert code == 1
+        assert "could not join" in err and "secret" in err
+        assert mf.num_contexts() == 2
+        assert Where.create(on=1).here().result()[0] == 1
+
+
+def test_garbage_at_the_door_is_closed_and_the_computation_is_unharmed():
+    import socket
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        host, port = s.launcher.address.rsplit(":", 1)
+        junk = socket.create_connection((host, int(port)), timeout=10)
+        junk.sendall(b"\x80\x04GET / HTTP/1.0\r\n\r\n" * 10)
+        assert Where.create(on=1).here().result()[0] == 1
+        w = start_worker(s.launcher.address)
+        assert mf.wait_contexts(3, timeout=60) == 3
+        junk.close()
+    assert finish(w)[0] == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(listen="nowhere"), 'listen must be "HOST:PORT"'),
+    (dict(listen=":0", secret="short"), "at least 16"),
+    (dict(secret=SECRET), "give listen= too"),
+    (dict(listen=":0", transport="inproc"), "listen= works with the local transport"),
+    (dict(listen=":0", secret=SECRET, tls=("only-a-cert",)), "tls must be"),
+])
+def test_bad_listen_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mf.init(contexts=2, **kwargs)
+
+
+def test_a_secret_made_for_you_is_printed_with_the_command_to_join(tmp_path):
+    script = tmp_path / "listen.py"
+    script.write_text(textwrap.dedent("""
+        import macroflow as mf
+        with mf.init(contexts=1, listen="127.0.0.1:0"):
+            pass
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MACROFLOW_SECRET")}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "join with: MACROFLOW_SECRET=" in r.stderr and "macroflow worker --connect 127.0.0.1:" in r.stderr
+
+
+def test_the_worker_command_refuses_to_start_without_a_secret():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MACROFLOW_SECRET")}
+    r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "no secret" in r.stderr
+
+
+def test_a_worker_that_cannot_reach_the_computation_says_so():
+    r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "MACROFLOW_SECRET": SECRET})
+    assert r.returncode == 1 and "cannot reach 127.0.0.1:1" in r.stderr
+
+
+# -- separate hosts ---------------------------------------------------------------
+MAIN = """
+import json, os, sys
+sys.path.insert(0, {here!r})
+import macroflow as mf
+from test_join import Where
+
+with mf.init(contexts=2, listen="198.18.0.1:0", secret={secret!r}) as s:
+    print(s.launcher.address, flush=True)
+    mf.wait_contexts(2 + {joining}, timeout=60)
+    objs = {{c: Where.create(on=c) for c in range(1, mf.num_contexts())}}
+    here = {{c: o.here().result()[0] for c, o in objs.items()}}
+    cross = objs[2].ask(objs[mf.num_contexts() - 1]).result()
+    infos = [(c.id, [a for p, a in c.protocols if p == "tcp"][0]) for c in mf.contexts()]
+    stats = {{c: st["protocols"]["tcp"]["messages_sent"] for c, st in mf.stats().items()}}
+print(json.dumps(dict(here=here, cross=cross, infos=infos, tcp=stats)), flush=True)
+"""
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_workers_on_separate_hosts_join_and_talk_to_each_other(tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text(MAIN.format(here=HERE, secret=SECRET, joining=2))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
+           "MACROFLOW_SECRET": SECRET}
+    with netns.hosts(3) as (hub, a, b):
+        main = hub.python(str(script), env=env)
+        address = main.stdout.readline().strip()
+        assert address.startswith("198.18.0.1:"), main.stderr.read()
+        workers = [h.popen([sys.executable, "-m", "macroflow", "worker", "--connect", address],
+                           env=env) for h in (a, b)]
+        out, err = main.communicate(timeout=90)
+        assert main.returncode == 0, err
+        for w in workers:
+            assert w.wait(timeout=30) == 0, w.stderr.read()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["here"] == {"1": 1, "2": 2, "3": 3}
+    assert got["cross"] == 3  # a worker of one host called one of the other
+    hosts = {cid: addr.split(":")[0] for cid, addr in got["infos"]}
+    assert hosts[0] == hosts[1] == "198.18.0.1"
+    assert {hosts[2], hosts[3]} == {"198.18.1.2", "198.18.2.2"}
+    assert got["tcp"]["1"] == 0 and got["tcp"]["2"] > 0 and got["tcp"]["3"] > 0
