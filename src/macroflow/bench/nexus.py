@@ -898,7 +898,9 @@ def markdown(res: Dict[str, Any]) -> str:
         headers, rows = _table(res, name)
         lines += ["| " + " | ".join(headers) + " |", "| --- |" + " ---: |" * (len(headers) - 1)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines += ["", f"`{name}`, hand-coded: {e['hand_coded']}, spin_us {e.get('spin_us')}. "
+        spin = e.get("spin_us")
+        lines += ["", f"`{name}`, hand-coded: {e['hand_coded']}, spin_us "
+                      f"{'n/a' if spin is None else format(spin, 'g')}. "
                       f"Paper: {PAPER}. Ours: {_ours(e)}.", ""]
         lines += [f"- **{'PASS' if b['pass'] else 'FAIL'}** {b['label']}: {_x(b['ratio'])} "
                   f"(limit {b['limit']:g}x)" for b in e["bars"]]
