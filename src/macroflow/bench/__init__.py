@@ -3,6 +3,8 @@
   baselines  hand-coded socketpair ping-pong, bandwidth and fork start-up (no macroflow)
   micro      Mentat's Table I and II for macroflow, METG(50%), and the performance bars
   peers      the same operations on macroflow, Ray, Dask, ProcessPoolExecutor and mpi4py
+  nexus      Nexus's Figure 3: RSR round trip against message size, inline and new
+             thread, next to hand-coded sockets and mpi4py, per transport
 
 ``macroflow bench SUITE [--quick] [--json FILE]`` runs :func:`main`.
 """
@@ -13,7 +15,7 @@ import os
 import sys
 from typing import Optional
 
-SUITES = ("micro", "peers", "baselines")
+SUITES = ("micro", "peers", "nexus", "baselines")
 
 
 def json_problem(path: str) -> Optional[str]:
@@ -47,8 +49,10 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
 
     Args:
         suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
-            Ray, Dask, ProcessPoolExecutor and mpi4py) or "baselines" (hand-coded only).
-        json_path: also write every figure of the micro or peers suite to this
+            Ray, Dask, ProcessPoolExecutor and mpi4py), "nexus" (Nexus's Figure 3:
+            round trip against message size per transport) or "baselines"
+            (hand-coded only).
+        json_path: also write every figure of the micro, peers or nexus suite to this
             file; one that cannot be written is refused (2) before anything runs.
         quick: far fewer iterations (a smoke run of well under a minute).
         peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
@@ -73,6 +77,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     if suite == "peers":
         from . import peers as peers_suite
         return peers_suite.main(json_path=json_path, quick=quick, peers=peers)
+    if suite == "nexus":
+        from . import nexus
+        return nexus.main(json_path=json_path, quick=quick)
     if suite == "micro":
         from . import micro
         return micro.main(json_path=json_path, quick=quick)
