@@ -10,6 +10,8 @@ up, and the main program receives one small value at the end.
     python examples/fanout.py                    # 4 contexts, 8 tasks per worker
     python examples/fanout.py --contexts 2 --tasks-per-worker 4
     macroflow run -n 4 examples/fanout.py --samples 2000000
+    python examples/fanout.py --listen 0.0.0.0:7000 --wait-for 8   # then, on other hosts:
+    MACROFLOW_SECRET=<printed> macroflow worker --connect THIS_HOST:7000 -n 4
 
 The serial time is the same tasks run one after the other in this process;
 both runs use the same seeds, so the parallel count must equal the serial one
@@ -72,6 +74,10 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--arity", type=int, default=4, help="fan-in of the reduction tree (default 4)")
     p.add_argument("--seed", type=int, default=2024)
     p.add_argument("--no-serial", action="store_true", help="skip the serial run")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="also accept workers of other hosts here (macroflow worker --connect)")
+    p.add_argument("--wait-for", type=int, default=None, metavar="N",
+                   help="with --listen: start once the computation has N contexts")
     args = p.parse_args(argv)
     if args.arity < 2 or args.tasks_per_worker < 1 or args.samples < 1:
         p.error("--arity must be at least 2, --tasks-per-worker and --samples at least 1")
@@ -80,6 +86,9 @@ def parse_args(argv: list) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
+    if args.wait_for:
+        print(f"waiting for {args.wait_for} contexts...", flush=True)
+        mf.wait_contexts(args.wait_for)
     k = mf.num_contexts()
     tasks = k * args.tasks_per_worker
     print(f"fan-out/fan-in: k={k} contexts, {tasks} tasks of {args.samples:,} darts, "
@@ -120,4 +129,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    mf.run(main, contexts=parse_args(sys.argv[1:]).contexts)
+    options = parse_args(sys.argv[1:])
+    mf.run(main, contexts=options.contexts, listen=options.listen)
