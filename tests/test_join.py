@@ -224,3 +224,24 @@ def test_workers_on_separate_hosts_join_and_talk_to_each_other(tmp_path):
     assert hosts[0] == hosts[1] == "198.18.0.1"
     assert {hosts[2], hosts[3]} == {"198.18.1.2", "198.18.2.2"}
     assert got["tcp"]["1"] == 0 and got["tcp"]["2"] > 0 and got["tcp"]["3"] > 0
+
+
+def test_workers_join_over_tls_with_the_shared_certificate():
+    from transport_harness import certificate
+    cert, key = certificate()
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(cert, key)) as s:
+        w = start_worker(s.launcher.address, extra=("--tls-cert", cert, "--tls-key", key))
+        assert mf.wait_contexts(3, timeout=60) == 3
+        assert Where.create(on=2).here().result()[0] == 2
+    assert finish(w)[0] == 0
+
+
+def test_a_worker_without_tls_cannot_join_a_computation_that_speaks_it():
+    from transport_harness import certificate
+    cert, key = certificate()
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(cert, key)) as s:
+        w = start_worker(s.launcher.address)
+        code, err = serve_until_done(w)
+        assert code == 1 and "could not join" in err
+        assert mf.num_contexts() == 2
+        assert Where.create(on=1).here().result()[0] == 1
