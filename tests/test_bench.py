@@ -14,6 +14,7 @@ import pytest
 
 import macroflow.bench as bench
 from macroflow.bench import micro
+from common import our_processes
 
 POSITIVE_TABLE1 = [
     "message_new_delete_us", "message_transport_us", "message_send_us", "rsr_send_us",
@@ -88,7 +89,7 @@ def test_quick_micro_suite_writes_every_figure(tmp_path, capsys):
     for b in res["bars"]:
         assert _positive(b["ratio"]), b["bar"]
         assert b["pass"] is _verdict(b), b["bar"]
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def test_bars_judge_the_chain_length_ratio():
