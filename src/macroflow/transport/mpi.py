@@ -71,6 +71,7 @@ from .base import Transport
 FRAME, DATA, HELLO, SETUP = 1, 2, 3, 4  # message tags
 INLINE = 64 * 1024  # buffers up to this size travel inside their frame's message
 COPY_MAX = 1 << 20  # larger buffers up to this size are sent from a copy (see send)
+EAGER = 8 * 1024  # a send larger than this may need its sender's progress to leave
 SMALL = 64 * 1024  # queued frames are joined into one message up to this size
 WINDOW_MESSAGES = 1024  # messages in flight per peer at most
 WINDOW_BYTES = 8 << 20  # bytes of frame messages in flight per peer at most
@@ -364,7 +365,9 @@ class MpiTransport(Transport):
         self.got_bytes = [0] * n
         self.credited_msgs = [0] * n
         self.credited_bytes = [0] * n
-        self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of small sends
+        self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of our sends
+        self.pushing = 0  # sends in `unfinished` too large to leave without our progress
+        self.sends = 0
         self.inflight: Dict[int, Deque[_Frame]] = {}  # frames waiting for their large buffers
         self.wbuf: Dict[int, bytearray] = {}  # frames queued per peer until flush
         self.blocked_on: Optional[int] = None  # the peer a send waits for room at (if any)
@@ -433,10 +436,13 @@ class MpiTransport(Transport):
         self._check(dest)
         if dest in self.wbuf:
             self._flush_one(dest)  # the frames queued before this one go first
-        # a peer that left is found here, at the latest a few sends later
-        self._progress()
-        if dest in self.gone:
-            raise ConnectionError(f"context {dest} has left")
+        # a peer that left is found here, within three sends (looking costs
+        # a probe: not on every send)
+        self.sends += 1
+        if self.sends % 3 == 0:
+            self._progress()
+            if dest in self.gone:
+                raise ConnectionError(f"context {dest} has left")
         rec = _record(parts, load)
         if rec is not None:
             self._post(dest, rec, counted=True)
@@ -460,6 +466,7 @@ class MpiTransport(Transport):
                 # send returns before the peer takes it, within the window
                 c = bytearray(v)
                 self.unfinished.append((isend([c, byte], dest, DATA), c))
+                self.pushing += 1
         self._wait_sent(dest, reqs, views)
         return len(head) + sum(n for n in lens if n > INLINE)
 
@@ -484,6 +491,8 @@ class MpiTransport(Transport):
             self.sent_bytes[dest] += n
             self.active_at = time.monotonic()
         self.unfinished.append((self.comm.Isend([data, self.byte], dest, FRAME), data))
+        if len(data) > EAGER:
+            self.pushing += 1
         if len(self.unfinished) > 32:
             self._reap()
         w = self.wakes.get(dest)
@@ -536,9 +545,14 @@ class MpiTransport(Transport):
             self.abandoned.append((reqs, bufs))
 
     def _reap(self) -> None:
+        """Forget the sends MPI has finished with (they finish in order, or nearly)."""
         u = self.unfinished
         while u and u[0][0].Test():
-            u.popleft()
+            if len(u.popleft()[1]) > EAGER:
+                self.pushing -= 1
+        if self.pushing and u:
+            # one that waits for its peer must not hold back the others' count
+            self.pushing = sum(1 for r, b in u if len(b) > EAGER and not r.Test())
 
     def _credit(self, src: int) -> None:
         self.credited_msgs[src] = self.got_msgs[src]
@@ -572,8 +586,8 @@ class MpiTransport(Transport):
             if self.inflight:
                 # a large buffer is on its way: MPI moves it as we poll
                 self._nap(min(NAP_MIN, left))
-            elif self.unfinished:
-                # a message MPI has not sent yet needs our progress to leave
+            elif self.pushing:
+                # a large message MPI has not sent yet needs our progress to leave
                 self._nap(min(NAP_MAX, left))
             elif waker is not None and self.wakes:
                 # Peers on this host wake us; others (if any) are polled for
@@ -582,13 +596,14 @@ class MpiTransport(Transport):
                 # one read now means a frame is on its way, and we poll for
                 # it (SPIN_WOKEN) rather than sleep past it.
                 if waker.drain():
-                    if self._progress() or self._spin(deadline, force=True):
+                    if self._progress() or self._spin(deadline, woken=True):
                         return True
                     self.empty_wakes += 1
                     self.expect = True  # it is late: sleep briefly until it shows
                     continue
                 if self._progress():
                     return True
+                self._reap()
                 self.sleeps += 1
                 longest = SLEEP_MAX if self.woken_by_all and not self.expect else NAP_MAX
                 waker.sleep(min(left, longest))
@@ -608,22 +623,22 @@ class MpiTransport(Transport):
         self.naps += 1
         time.sleep(min(d, most))
 
-    def _spin(self, deadline: Optional[float], force: bool = False) -> bool:
+    def _spin(self, deadline: Optional[float], woken: bool = False) -> bool:
         # As local does: poll for spin_s before sleeping, but only while this
         # rank has a core to itself (a gap between two polls means another
-        # process had it; then sleep at once for a while).
+        # process had it; then sleep at once for a while). Woken for a frame,
+        # poll for it without giving the core away (it is on its way).
         now = time.perf_counter()
-        if now < self.calm_until and not force:
+        if now < self.calm_until and not woken:
             return False
-        end = now + max(self.spin_s, SPIN_WOKEN if force else 0.0)
+        end = now + (SPIN_WOKEN if woken else self.spin_s)
         if deadline is not None:
             end = min(end, now + max(0.0, deadline - time.monotonic()))
         clock = time.perf_counter
-        yield_ = os.sched_yield
+        yield_ = (lambda: None) if woken else os.sched_yield
         progress = self._progress
         last = now
         while True:
-            yield_()
             if progress():
                 return True
             t = clock()
@@ -634,6 +649,7 @@ class MpiTransport(Transport):
             if t > end:
                 return False
             last = t
+            yield_()  # lets a process waiting for this core run first
 
     def _progress(self) -> bool:
         """One pass: finish large receives, take the messages that came; True if
@@ -642,7 +658,7 @@ class MpiTransport(Transport):
         self._moved = False
         if self.inflight:
             got = self._advance()
-        if self.unfinished:
+        if self.pushing or len(self.unfinished) > 16:
             self._reap()
         comm, status = self.comm, self.status
         for _ in range(_PROBES):
@@ -808,6 +824,7 @@ class MpiTransport(Transport):
                 reqs.extend(f.reqs)
                 bufs.append(f.parts)
         self.unfinished.clear()
+        self.pushing = 0
         self.inflight.clear()
         if reqs:
             self._abandon(reqs, bufs)
