@@ -1,14 +1,17 @@
 """Shared fixtures: run a test body on every transport, and check that no
 process outlives the test (the runtime's promise, checked after every test)."""
 
-import os
-
-import psutil
 import pytest
 
 import macroflow as mf
+from common import our_processes
+from macroflow.transport import mpi as _mpi
 
 TRANSPORTS = ["inproc", "local", "tcp"]
+#: why the mpi transport cannot run here (mpi4py or mpiexec missing), or None
+MPI_MISSING = _mpi.available()
+if MPI_MISSING is None:
+    TRANSPORTS.append("mpi")
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -43,6 +46,5 @@ def fresh_call_sites(request):
 def no_leftover_processes():
     yield
     mf.shutdown()
-    me = psutil.Process(os.getpid())
-    left = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    left = our_processes()  # spawned MPI ranks included
     assert left == [], f"processes left behind: {left}"

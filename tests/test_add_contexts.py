@@ -11,6 +11,13 @@ import macroflow as mf
 
 pytestmark = pytest.mark.timeout(60)
 
+
+@pytest.fixture(autouse=True)
+def _not_on_mpi(request):
+    if "transport" in request.fixturenames and request.getfixturevalue("transport") == "mpi":
+        pytest.skip("the mpi transport does not add ranks to a running job yet (every rank "
+                    "would have to spawn them together and move to a new communicator)")
+
 TAGS = {}  # context -> what its init left (one process holds them all on inproc)
 
 
@@ -99,7 +106,7 @@ def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not
     (True, None, "n must be a positive int; got True"),
     (1, 42, "init must be a function of the context id, or None; got 42"),
 ])
-def test_bad_arguments_are_refused(run, n, init, match):
+def test_bad_arguments_are_refused(run, n, init, match):  # noqa: D103
     def main():
         with pytest.raises(ValueError, match=match):
             mf.add_contexts(n, init=init)

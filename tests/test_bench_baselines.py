@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+from common import our_processes
 
 # Loaded by path so the test does not depend on the rest of the package existing.
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "src" / "macroflow" / "bench" / "baselines.py"
@@ -18,7 +19,7 @@ _spec.loader.exec_module(baselines)
 
 def assert_no_children():
     # A zombie would still be listed, so this also proves every child was reaped.
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 @pytest.mark.timeout(60)
@@ -117,7 +118,7 @@ def test_child_killed_when_parent_side_fails():
 
     with pytest.raises(KeyError):
         with baselines._forked(child) as (sock, _):
-            pid = psutil.Process().children()[0].pid
+            pid, = [p.pid for p in our_processes(zombies=True)]
             raise KeyError("parent-side failure")
     assert not psutil.pid_exists(pid)
     assert_no_children()

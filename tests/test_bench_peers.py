@@ -14,6 +14,7 @@ import pytest
 
 from macroflow import cli
 from macroflow.bench import peers
+from common import our_processes
 
 ALL_OPS = set(peers.OP_KEYS)
 PPE_OPS = {"null_task", "pipelined_1000", "array_16mb", "startup"}
@@ -59,7 +60,7 @@ def test_quick_run_without_peers_skips_them_and_measures_macroflow_and_executor(
         assert res["ratios"]["ppe"][op] == pytest.approx(ppe[op] / mfr[op])
     for op in ALL_OPS - PPE_OPS:
         assert res["ratios"]["ppe"][op] is None
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def test_mpi4py_without_mpiexec_is_skipped_with_the_reason(monkeypatch):
@@ -122,7 +123,7 @@ def test_a_worker_past_its_time_is_killed_and_reported():
     cfg = peers.Config(**dict(peers.QUICK.as_dict(), timeout_s=0.05))
     res = peers._spawn("macroflow", cfg)
     assert res == {"error": "timed out after 0.05 s"}
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 class _Driver:
@@ -175,7 +176,7 @@ def test_an_installed_peer_gets_its_row(peer, tmp_path, capsys):
     assert all(_positive(got[op]) for op in PEER_OPS[peer]), got
     assert all(got[op] is None for op in ALL_OPS - PEER_OPS[peer]), got
     assert all(_positive(res["ratios"][peer][op]) for op in PEER_OPS[peer])
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def test_is_installed_asks_the_import_system():

@@ -120,9 +120,9 @@ def test_readme_example(tmp_path):
 def test_readme_quick_start_matches_ci():
     readme = (ROOT / "README.md").read_text()
     assert "pip install -e . && python examples/fanout.py" in readme
-    assert 'pip install -e ".[test]" && python -m pytest -q' in readme
+    assert 'pip install -e ".[test,mpi]" && python -m pytest -q' in readme
     ci = (ROOT / ".ci" / "run").read_text()
-    assert '-e ".[test]"' in ci and "-m pytest -q" in ci
+    assert '-e ".[test,mpi]"' in ci and "-m pytest -q" in ci
 
 
 GUIDE = ROOT / "docs" / "guide.md"

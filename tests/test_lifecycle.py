@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import macroflow as mf
-from common import Gate
+from common import Gate, our_processes
 from macroflow.core.context import SYSTEM, current_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,7 +80,7 @@ def test_exception_in_main_tears_down():
 
     with pytest.raises(KeyError, match="main failed"):
         mf.run(main, contexts=3)
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def test_run_returns_after_teardown():
@@ -104,7 +104,7 @@ def test_shutdown_without_context_manager():
     mf.init(contexts=2)
     assert Work().echo(1).result() == 1
     mf.shutdown()
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def _stop(proc):
@@ -204,7 +204,7 @@ def test_bad_spin_us_is_refused_before_anything_starts(spin):
         mf.run(lambda: None, contexts=2, spin_us=spin)
     with pytest.raises(ValueError, match=f"got {re.escape(repr(spin))}"):
         mf.init(contexts=2, spin_us=spin)
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
     with pytest.raises(RuntimeError, match="not running"):
         mf.context_id()
 
@@ -454,7 +454,7 @@ def test_more_contexts_than_memory_holds_are_refused(monkeypatch, no_fork, start
     msg = str(e.value)
     assert "50 contexts do not fit" in msg and "100 MB is available" in msg
     assert "MemAvailable" in msg and "use at most 11 contexts" in msg
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
     with pytest.raises(RuntimeError, match="not running"):
         mf.context_id()
 
@@ -481,7 +481,7 @@ def test_more_contexts_than_the_process_limit_allows_are_refused(monkeypatch, no
     assert "12 contexts need 11 new processes" in msg and "may start only 10 more" in msg
     assert "soft limit 100" in msg and "90 processes and threads" in msg
     assert "use at most 11 contexts" in msg and "ulimit -u" in msg
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
 
 
 def test_contexts_under_the_process_limit_start(monkeypatch):

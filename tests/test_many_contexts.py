@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import macroflow as mf
-from common import Gate, Log
+from common import Gate, Log, our_processes
 from macroflow.core.context import SYSTEM, current_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +107,7 @@ def test_failed_fork_names_the_process_limit(monkeypatch):
     assert info.value.limit == "RLIMIT_NPROC"
     assert "context 3 of 5" in str(info.value) and "ulimit -u" in str(info.value)
     assert isinstance(info.value.__cause__, OSError)
-    assert psutil.Process().children(recursive=True) == []
+    assert our_processes(zombies=True) == []
     monkeypatch.undo()
     assert mf.run(lambda: mf.num_contexts(), contexts=2) == 2  # nothing left half-started
 

@@ -10,6 +10,7 @@ sender waits for its reader (``backlog``).
 import atexit
 import functools
 import os
+import pickle
 import shutil
 import socket
 import ssl
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
@@ -332,6 +333,182 @@ def build_tcp_tls(n: int) -> Ends:
         >>> e.close()
     """
     return _build_tcp(n, tls=True)
+# -- mpi: the ends are spawned ranks, driven from here ------------------------
+#
+# MPI cannot hold several ranks in one process, so each end is a rank of its
+# own (spawned with MPI_Comm_spawn, as mf.init does), running a real
+# MpiTransport on a communicator of the ends only; this process drives each one
+# through a proxy that forwards every call and brings back what the end
+# received (frames, lost peers) with the answer. The frames between ends travel
+# on MPI, between processes: order per pair, large out-of-band buffers and flow
+# control under a flood are MPI's and the transport's own.
+
+_REQ, _REP, _QRY, _QREP = 11, 12, 13, 14  # tags between this process and the ends
+
+
+def _mpi_wait(comm, source: int, tag: int) -> Any:
+    """Receive one pickled message, polling (a blocking receive would spin a core)."""
+    from macroflow.transport.mpi import mpi
+    MPI = mpi()
+    spin_until = time.monotonic() + 200e-6
+    while not comm.Iprobe(source, tag):
+        if time.monotonic() > spin_until:
+            time.sleep(0.0002)
+    return comm.recv(source=source, tag=tag)
+
+
+class _MpiGroup:
+    """The spawned ranks of one build_mpi, and the communicator to drive them."""
+
+    def __init__(self, n: int):
+        from macroflow.transport import mpi as M
+        self.inter, self.comm, self.hosts = M.spawn(n, "transport_harness:_mpi_end")
+        self.comm.Split(M.mpi().UNDEFINED, 0)  # the ends' own communicator, without us
+        self.open = n
+        self.lock = threading.Lock()
+
+    def call(self, end: int, op: str, *args: Any) -> Any:
+        self.comm.send((op, args), dest=end + 1, tag=_REQ)
+        return _mpi_wait(self.comm, end + 1, _REP)
+
+    def ended(self) -> None:
+        with self.lock:
+            self.open -= 1
+            last = self.open == 0
+        if last:  # every end is closed: the ranks leave, and MPI forgets them
+            from macroflow.transport.mpi import _alive
+            for r in range(1, self.comm.Get_size()):
+                self.call(r - 1, "exit")
+            deadline = time.monotonic() + 30
+            while any(_alive(*h) for h in self.hosts.values()) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            self.comm.Disconnect()
+            self.inter.Disconnect()
+
+
+class MpiEnd:
+    """Stands here for one MpiTransport living in a spawned rank."""
+
+    def __init__(self, group: _MpiGroup, end: int):
+        self.group, self.end = group, end
+        self.deliver: Optional[Callable] = None
+        self.lost: Optional[Callable] = None
+        self.closed = False
+
+    def attach(self, deliver, lost) -> None:
+        self.deliver, self.lost = deliver, lost
+
+    def _call(self, op: str, *args: Any) -> Any:
+        status, value, events = self.group.call(self.end, op, *args)
+        for ev in events:  # what the end received while it served this call
+            if ev[0] == "frame":
+                self.deliver(ev[1], ev[2], ev[3])  # type: ignore[misc]
+            else:
+                self.lost(ev[1], ev[2])  # type: ignore[misc]
+        if status == "error":
+            raise value
+        return value
+
+    def send(self, dest: int, parts, load: int) -> int:
+        return self._call("send", dest, [bytes(memoryview(p).cast("B")) for p in parts], load)
+
+    def queue(self, dest: int, parts, load: int) -> int:
+        return self._call("queue", dest, [bytes(memoryview(p).cast("B")) for p in parts], load)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def poll(self, timeout: Optional[float]) -> bool:
+        return self._call("poll", timeout)
+
+    def peers(self):
+        return self._call("peers")
+
+    def fileno(self) -> None:
+        return None  # the end's descriptor is in another process: nothing to watch here
+
+    def backlogged(self, dest: int) -> bool:
+        # asked of a thread of the end's rank: its main thread may be inside a send
+        self.group.comm.send(dest, dest=self.end + 1, tag=_QRY)
+        return _mpi_wait(self.group.comm, self.end + 1, _QREP)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._call("close")  # answered once the goodbyes are sent; the end lingers on
+            self.group.ended()
+
+
+def _mpi_end(comm) -> None:  # pragma: no cover - runs in a spawned rank
+    """One end of build_mpi: serve the proxy's calls on a real MpiTransport."""
+    from macroflow.transport import mpi as M
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # kill -USR2: where a hung end is
+    M._hello(comm)
+    rank = comm.Get_rank()
+    ends = comm.Split(0, rank)
+    host = socket.gethostname()
+    t = M.MpiTransport(ends, spin_us=50.0, wake=(f"harness-{os.getppid()}-{comm.Get_size()}",
+                                                 {i: host for i in range(ends.Get_size())}))
+    events: List[tuple] = []
+    t.attach(lambda src, bufs, load: events.append(
+        ("frame", src, [bytes(memoryview(b).cast("B")) for b in bufs], load)),
+        lambda peer, how: events.append(("lost", peer, how)))
+    stop = threading.Event()
+
+    def answer_backlog_queries() -> None:
+        while not stop.is_set():
+            if comm.Iprobe(0, _QRY):
+                dest = comm.recv(source=0, tag=_QRY)
+                comm.send(t.blocked_on == dest, dest=0, tag=_QREP)
+            else:
+                time.sleep(0.0005)
+
+    threading.Thread(target=answer_backlog_queries, daemon=True).start()
+    while True:
+        op, args = _mpi_wait(comm, 0, _REQ)
+        try:
+            if op == "exit":
+                value = None
+            elif op == "close":
+                t.goodbye()
+                value = None
+            else:
+                value = getattr(t, op)(*args)
+            status = "ok"
+        except Exception as e:
+            status, value = "error", e
+        try:
+            pickle.dumps(value)
+        except Exception:
+            status, value = "error", RuntimeError(repr(value))
+        out, events[:] = list(events), []
+        comm.send((status, value, out), dest=0, tag=_REP)
+        if op == "exit":
+            stop.set()
+            return
+        if op == "close":
+            t.linger()  # the proxy has its answer: the others may close meanwhile
+
+
+def _mpi_backlog(end: MpiEnd, dest: int) -> bool:
+    return end.backlogged(dest)
+
+
+def build_mpi(n: int) -> Ends:
+    """``n`` ends of the mpi transport, numbered 0..n-1, each a spawned rank.
+
+    Example:
+        >>> from macroflow.transport.mpi import available
+        >>> e = build_mpi(2) if available() is None else None
+        >>> e.ids if e is not None else [0, 1]
+        [0, 1]
+        >>> e is None or e.close()
+    """
+    group = _MpiGroup(n)
+    return Ends("mpi", {i: MpiEnd(group, i) for i in range(n)}, reports_lost=True,
+                has_fileno=False, backlog=_mpi_backlog)
 
 
 #: transport -> builder of n connected ends; the suite runs on every entry
@@ -342,6 +519,12 @@ BUILDERS: Dict[str, Callable[[int], Ends]] = {
     "tcp": build_tcp,
     "tcp-tls": build_tcp_tls,
 }
+try:
+    from macroflow.transport.mpi import available as _mpi_available
+    if _mpi_available() is None:
+        BUILDERS["mpi"] = build_mpi
+except ImportError:
+    pass
 
 
 def build(name: str, n: int) -> Ends:
@@ -350,10 +533,10 @@ def build(name: str, n: int) -> Ends:
     Example:
         >>> build("inproc", 2).name
         'inproc'
-        >>> build("smoke-signals", 2)
+        >>> build("smoke-signals", 2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: no harness for transport 'smoke-signals'; known: inproc, local, local-mesh, tcp, tcp-tls
+        ValueError: no harness for transport 'smoke-signals'; known: inproc, local, local-mesh...
     """
     if name not in BUILDERS:
         raise ValueError(f"no harness for transport {name!r}; known: {', '.join(BUILDERS)}")

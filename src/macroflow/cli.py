@@ -2,6 +2,7 @@
 
 Examples:
     macroflow run -n 4 examples/fanout.py     # the script's main() on 4 contexts
+    macroflow run -n 4 --transport mpi examples/fanout.py   # on 4 ranks of mpiexec
     macroflow info                            # transports and versions
     macroflow bench micro --json out.json     # Mentat's Table I and II, METG
     macroflow bench peers --quick             # macroflow next to Ray, Dask, executors, mpi4py
@@ -15,7 +16,7 @@ import os
 import platform
 import sys
 import types
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 def script_problem(path: str) -> Optional[str]:
@@ -56,17 +57,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
     from macroflow.launch import spin_us_setting
     from macroflow.launch import load_transport
+    from macroflow.transport.mpi import world_from_environment
     # usage errors, all found before the script runs
+    launch_mpiexec = args.transport == "mpi" and world_from_environment() is None
     try:
         spin_us_setting()
-        check = getattr(load_transport(args.transport), "check_room", None)
-        if check is not None:
+        module = load_transport(args.transport or "local")
+        check = getattr(module, "check_room", None)
+        if check is not None and not launch_mpiexec:
             check(args.n or os.cpu_count() or 1)
     except (ValueError, mf.LimitError) as e:
         args.parser.error(str(e))
     problem = script_problem(args.script)
     if problem is not None:
         args.parser.error(problem)
+    if launch_mpiexec:
+        return run_under_mpiexec(args)
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
     if not callable(main):
@@ -79,6 +85,181 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result is not None:
         print(result)
     return 0
+
+
+def mpiexec_command(args: argparse.Namespace, mpiexec: str) -> List[str]:
+    """The command that runs ``macroflow run`` once per rank under mpiexec.
+
+    Example:
+        >>> a = build_parser().parse_args(["run", "-n", "4", "--transport", "mpi", "job.py", "x"])
+        >>> mpiexec_command(a, "mpiexec")[:3], mpiexec_command(a, "mpiexec")[-6:]
+        (['mpiexec', '-n', '4'], ['--transport', 'mpi', '--main', 'main', 'job.py', 'x'])
+    """
+    n = args.n or os.cpu_count() or 1
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "macroflow", "run", "-n", str(n)]
+    if args.placement:
+        cmd += ["--placement", args.placement]
+    return cmd + ["--transport", "mpi", "--main", args.main, args.script, *args.args]
+
+
+class FirstToEnd:
+    """Watches the processes of an mpiexec job's ranks on this host and notes
+    which ended first, and how (a thread of ``macroflow run``).
+
+    MPI's process manager ends every rank as soon as one dies, and the
+    process it names is not always the one that died; a watcher outside the
+    job sees the order. ``table`` is the file where context 0 writes "rank
+    host pid" lines; it waits for "<table>.watched" before the computation
+    starts.
+
+    Example:
+        >>> w = FirstToEnd("/nonexistent/table")
+        >>> w.stop(); w.thread.join(5); w.first
+        []
+    """
+
+    def __init__(self, table: str):
+        import threading
+        self.table = table
+        self.first: List[tuple] = []  # (context, pid, host, status or None)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        import select
+        import socket
+        rows = None
+        while rows is None and not self.done.is_set():
+            try:
+                with open(self.table) as f:
+                    rows = [r.split() for r in f if r.strip()]
+            except OSError:
+                self.done.wait(0.001)
+        if rows is None or not hasattr(os, "pidfd_open"):
+            return
+        me = socket.gethostname()
+        fds = {}
+        for rank, host, pid in rows:
+            if host == me:
+                try:
+                    fds[os.pidfd_open(int(pid))] = (int(rank), int(pid), host)
+                except OSError:
+                    pass
+        try:
+            open(self.table + ".watched", "w").close()  # context 0 waits for this
+        except OSError:
+            pass
+        try:
+            while fds and not self.first and not self.done.is_set():
+                ready = select.select(list(fds), [], [], 0.05)[0]
+                # read how they ended at once: their parent reaps them soon
+                self.first = [(*fds[fd][:1], fds[fd][1], fds[fd][2], _exit_status(fds[fd][1]))
+                              for fd in sorted(ready, key=lambda fd: fds[fd][0])]
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def describe(self, output: str = "") -> Optional[str]:
+        """Words for what ended the job, if a context died of a signal.
+
+        ``output`` is mpiexec's: how a process ended is read there when this
+        watcher could not see it itself (its parent reaped it first).
+        """
+        from macroflow.launch import describe_status
+        if not self.first:
+            return None
+        reported = mpiexec_report(output)
+        parts = []
+        for rank, pid, host, status in self.first:
+            if status is not None and not os.WIFSIGNALED(status):
+                return None  # it exited (its error was printed): nothing to add
+            if status is not None:
+                how = describe_status(status)
+            elif reported is not None and reported[0] == pid:
+                how = reported[1]
+            elif reported is not None:
+                how = f"ended first (mpiexec reports pid {reported[0]}: {reported[1]})"
+            else:
+                how = "ended first"
+            parts.append(f"context {rank} (pid {pid} on {host}) {how}")
+        return "; ".join(parts) + "; MPI ended the job (every rank)"
+
+
+def mpiexec_report(output: str) -> Optional[tuple]:
+    r"""(pid, how it ended) from MPICH mpiexec's report of a failed job, or None.
+
+    Example:
+        >>> mpiexec_report("=   PID 4242 RUNNING AT node7\n=   EXIT CODE: 9\n")
+        (4242, 'was killed by signal SIGKILL')
+        >>> mpiexec_report("all fine") is None
+        True
+    """
+    import re
+    import signal
+    m = re.search(r"PID (\d+) RUNNING AT \S+\s*=\s*EXIT CODE: (\d+)", output)
+    if m is None:
+        return None
+    code = int(m.group(2))
+    try:
+        how = f"was killed by signal {signal.Signals(code).name}"
+    except ValueError:
+        how = f"ended with code {code}"
+    return int(m.group(1)), how
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] != b"Z" or len(fields) < 50:
+            return None
+        return int(fields[49])  # exit_code, field 52 of the line
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_under_mpiexec(args: argparse.Namespace) -> int:
+    """Run the script once per rank of ``mpiexec -n N``; rank 0 runs its main.
+
+    If MPI's process manager ends the job because a rank died of a signal,
+    the context it was is named.
+    """
+    import subprocess
+    import tempfile
+    from macroflow.transport.mpi import _find_mpiexec, CONTEXTS_FILE
+    mpiexec = _find_mpiexec()
+    if mpiexec is None:
+        args.parser.error("--transport mpi needs mpiexec, found neither beside this Python nor "
+                          "on PATH (pip install \"macroflow[mpi]\" brings one)")
+    with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
+        table = os.path.join(tmp, "contexts")
+        env = dict(os.environ, **{CONTEXTS_FILE: table})
+        p = subprocess.Popen(mpiexec_command(args, mpiexec), env=env, stdout=subprocess.PIPE)
+        watcher = FirstToEnd(table)
+        report: List[bytes] = []  # mpiexec's report of a failed job, passed on too
+        try:
+            for line in p.stdout:  # type: ignore[union-attr]
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                if b"RUNNING AT" in line or report:
+                    report.append(line)
+            code = p.wait()
+        except KeyboardInterrupt:
+            p.wait()
+            return 130
+        finally:
+            watcher.stop()
+            watcher.thread.join(5)
+        if code != 0:
+            text = watcher.describe(b"".join(report[:4]).decode(errors="replace"))
+            if text is not None:
+                print(f"macroflow: {text}", file=sys.stderr)
+        return code
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -150,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a script's main() on N contexts")
     r.add_argument("-n", type=positive_int, default=None, metavar="N",
                    help="number of contexts (default: CPU count)")
-    r.add_argument("--transport", default="local", choices=sorted(REGISTRY),
-                   help="local (default) or inproc")
+    r.add_argument("--transport", default=None, choices=sorted(REGISTRY),
+                   help="local (default), inproc, or mpi (ranks of mpiexec, which it launches; "
+                        "the default under mpiexec)")
     r.add_argument("--placement", default=None, choices=POLICIES,
                    help="round-robin (default), random or best-most-recently")
     r.add_argument("--main", default="main", help="the function to run (default: main)")

@@ -471,7 +471,7 @@ def load_transport(scheme: str) -> Any:
         >>> load_transport("carrier-pigeon")
         Traceback (most recent call last):
         ...
-        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local, tcp
+        ValueError: unknown transport 'carrier-pigeon'; available: inproc, local, mpi, tcp
     """
     import importlib
     path = REGISTRY.get(scheme) if isinstance(scheme, str) else None
@@ -769,7 +769,54 @@ def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
             os._exit(code)
 
 
-def init(contexts: Optional[int] = None, transport: str = "local", placement: Any = None,
+def choose_transport(transport: Optional[str], contexts: Optional[int],
+                     world: Optional[tuple] = None) -> tuple:
+    """The (transport, contexts) a computation uses, given what the caller asked.
+
+    Started by an MPI launcher with more than one rank (``world``: (rank,
+    size), read from the environment when not given), the transport is
+    ``"mpi"`` and there are as many contexts as ranks; elsewhere the default
+    transport is ``"local"`` and the default number of contexts the CPU count.
+
+    Raises:
+        ValueError: under mpiexec, another transport or another number of
+            contexts than the job's ranks.
+
+    Example:
+        >>> choose_transport(None, 4, world=None)
+        ('local', 4)
+        >>> choose_transport(None, None, world=(0, 3))
+        ('mpi', 3)
+        >>> choose_transport(None, 8, world=(0, 3))
+        Traceback (most recent call last):
+        ...
+        ValueError: contexts=8, but mpiexec started 3 ranks: under mpiexec each rank is a context; pass contexts=3 or leave it out
+    """
+    if world is None:
+        from .transport.mpi import world_from_environment
+        world = world_from_environment()
+    if world is not None and world[1] > 1:
+        rank, size = world
+        if transport is None:
+            transport = "mpi"
+        elif transport != "mpi":
+            raise ValueError(
+                f"this process is rank {rank} of {size} started by mpiexec, where the transport "
+                f"is 'mpi' (each rank a context); got transport={transport!r}: leave it out, or "
+                f"start the program without mpiexec")
+        if contexts is None:
+            contexts = size
+        elif contexts != size:
+            raise ValueError(f"contexts={contexts}, but mpiexec started {size} ranks: under mpiexec "
+                             f"each rank is a context; pass contexts={size} or leave it out")
+    if transport is None:
+        transport = "local"
+    if contexts is None:
+        contexts = os.cpu_count() or 1
+    return transport, contexts
+
+
+def init(contexts: Optional[int] = None, transport: Optional[str] = None, placement: Any = None,
          spin_us: Optional[float] = None, *, listen: Any = None, secret: Optional[str] = None,
          tls: Optional[Tuple[str, str]] = None) -> Session:
     """Start a computation of ``contexts`` contexts; this process becomes context 0.
@@ -777,9 +824,16 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
     For scripts and notebooks: use it as a context manager, or call
     :func:`shutdown` (it also runs at exit).
 
+    Under ``mpiexec -n N`` (N > 1), every rank calls it: rank 0 becomes context 0
+    and returns, the other ranks serve the computation and end their process
+    when it ends (so the code after this call runs on rank 0 only).
+
     Args:
-        contexts: number of contexts, this one included (default: CPU count).
-        transport: "local" (processes on this host) or "inproc" (one process).
+        contexts: number of contexts, this one included (default: CPU count;
+            under mpiexec: the number of ranks, which it must equal).
+        transport: "local" (processes on this host), "inproc" (one process)
+            or "mpi" (MPI ranks: this mpiexec job's, or spawned ones);
+            default "mpi" under mpiexec, "local" elsewhere.
         placement: a policy name ("round-robin", "random",
             "best-most-recently") or a :class:`macroflow.Placement`.
         spin_us: how long, in microseconds, an idle context polls before it
@@ -817,10 +871,10 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
     if _ctx._state.default is not None:
         raise RuntimeError("a macroflow computation is already running in this process; "
                            "shut it down first (mf.shutdown())")
-    if contexts is None:
-        contexts = os.cpu_count() or 1
-    if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
+    if contexts is not None and (isinstance(contexts, bool) or not isinstance(contexts, int)
+                                 or contexts < 1):
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
+    transport, contexts = choose_transport(transport, contexts)
     module = load_transport(transport)
     check = getattr(module, "check_room", None)
     make_launcher = None
@@ -901,14 +955,24 @@ def _shutdown_at_exit() -> None:
 atexit.register(_shutdown_at_exit)
 
 
-def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, transport: str = "local",
-        placement: Any = None, spin_us: Optional[float] = None, listen: Any = None,
-        secret: Optional[str] = None, tls: Optional[Tuple[str, str]] = None,
+def _under_mpiexec() -> None:
+    # Under mpiexec, an uncaught error on any rank ends every rank, printed
+    # once (see macroflow.transport.mpi.excepthook); elsewhere nothing happens.
+    from .transport.mpi import install_excepthook
+    install_excepthook()
+
+
+def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
+        transport: Optional[str] = None, placement: Any = None, spin_us: Optional[float] = None,
+        listen: Any = None, secret: Optional[str] = None, tls: Optional[Tuple[str, str]] = None,
         **kwargs: Any) -> Any:
     """Run ``main(*args, **kwargs)`` on context 0 of a new computation and return its value.
 
     If main returns a Future, its value is returned. Everything is torn down
-    afterwards, whether main returns or raises.
+    afterwards, whether main returns or raises. Arguments as for :func:`init`:
+    under ``mpiexec -n N python script.py``, the same script that runs
+    ``mf.run(main, contexts=N)`` alone runs main on rank 0, and the other
+    ranks serve and then end their process.
 
     Example:
         >>> import macroflow as mf
@@ -936,3 +1000,6 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None, tr
         print(f"macroflow: interrupted (Ctrl-C); all {session.size} contexts were stopped",
               file=sys.stderr)
         raise
+
+
+_under_mpiexec()

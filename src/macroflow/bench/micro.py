@@ -65,6 +65,18 @@ Extras
                          in a minimal program run by a fresh interpreter, and
                          in a context forked from this bench process
 
+MPI (when mpi4py and an mpiexec are installed; the rows are skipped otherwise)
+  null RPC persistent    the composite row above on the ``mpi`` transport, in a
+                         job of ``mpiexec -n 2`` started by each round (rank 0
+                         runs the session, rank 1 hosts the object)
+  bandwidth              the 16 MB pass-and-return above, on ``mpi``
+  mpi4py Send/Recv       the same array sent to rank 1 and back with mpi4py's
+                         own Send/Recv (rank 1 runs a method that echoes it
+                         with Recv/Send), same job, same ranks
+  mpi4py round trip      a 1-byte Send/Recv ping-pong, same job
+  The bars compare the null call on mpi with the null call on local of the same
+  round, and the 16 MB figure with mpi4py's.
+
 A warm-up session first pipelines a batch and drops its futures, so that every
 round starts from the same process state (the runtime's reused pickler keeps
 the memo size of the largest message it has pickled).
@@ -225,6 +237,24 @@ class Spin:
         while time.perf_counter() < end:
             pass
         return mf.context_id()
+
+
+RAW_TAG = 99  # mpi4py's own ping-pong: a tag the mpi transport does not use
+
+
+@mf.persistent
+class RawEcho:
+    """Context 1's side of mpi4py's own ping-pong on the engine's communicator."""
+
+    def serve(self, nbytes: int, iters: int) -> int:
+        from macroflow.transport.mpi import mpi
+        MPI = mpi()
+        comm = current_engine().transport.comm
+        buf = np.empty(nbytes, np.uint8)
+        for _ in range(iters):
+            comm.Recv([buf, MPI.BYTE], 0, RAW_TAG)
+            comm.Send([buf, MPI.BYTE], 0, RAW_TAG)
+        return iters
 
 
 def _rsr_pong(target, g0, i):  # inline on context 1
@@ -546,6 +576,72 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
     return out
 
 
+def _mpi_session(cfg: Config) -> Dict[str, float]:
+    """Context 0 of ``mpiexec -n 2``: the mpi rows, and mpi4py's own figures."""
+    from macroflow.transport.mpi import mpi
+    MPI = mpi()
+    comm = current_engine().transport.comm
+    out: Dict[str, float] = {}
+    n, w = cfg.rtt_iters, cfg.rtt_warmup
+    p = Echo.create(on=1)
+    p.null(0).result(30)
+    out["mpi_null_rpc_persistent_us"] = _sync_us(lambda i: p.null(i).result(), n, w)
+    arr = np.random.default_rng(1).integers(0, 256, cfg.bw_bytes, dtype=np.uint8)
+    back = p.echo(arr).result(60)
+    if not np.array_equal(back, arr):
+        raise RuntimeError("mpi bandwidth: the array came back different")
+    del back
+    samples = []
+    for _ in range(cfg.bw_iters):
+        t0 = _ns()
+        back = p.echo(arr).result(60)
+        samples.append(_ns() - t0)
+        del back
+    out["mpi_bandwidth_roundtrip_us"] = _median(samples) / 1e3
+    out["mpi_bandwidth_mb_s"] = 2 * cfg.bw_bytes / out["mpi_bandwidth_roundtrip_us"]
+
+    # mpi4py's own: context 1 runs a method that echoes with Recv/Send
+    raw = RawEcho.create(on=1)
+    for nbytes, iters, key in ((1, n + w, "mpi4py_roundtrip_us"),
+                               (cfg.bw_bytes, cfg.bw_iters + 1, "mpi4py_bandwidth_roundtrip_us")):
+        done = raw.serve(nbytes, iters)
+        buf = arr[:nbytes].copy()
+        samples = []
+        for i in range(iters):
+            t0 = _ns()
+            comm.Send([buf, MPI.BYTE], 1, RAW_TAG)
+            comm.Recv([buf, MPI.BYTE], 1, RAW_TAG)
+            samples.append(_ns() - t0)
+        done.result(60)
+        out[key] = _median(samples[1 if nbytes > 1 else w:]) / 1e3
+    out["mpi4py_bandwidth_mb_s"] = 2 * cfg.bw_bytes / out["mpi4py_bandwidth_roundtrip_us"]
+    return out
+
+
+def mpi_rows(cfg: Config, timeout: float = 600.0) -> Dict[str, Any]:
+    """The MPI rows, measured in a job of ``mpiexec -n 2`` (see the module's notes).
+
+    Returns {"mpi_skipped": reason} where mpi4py or mpiexec is missing.
+
+    Example:
+        >>> r = mpi_rows(QUICK)
+        >>> "mpi_skipped" in r or r["mpi_null_rpc_persistent_us"] > 0
+        True
+    """
+    import subprocess
+    from macroflow.transport.mpi import _find_mpiexec, available
+    why = available()
+    mpiexec = _find_mpiexec()
+    if why is not None or mpiexec is None:
+        return {"mpi_skipped": why or "mpiexec not found"}
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "macroflow.bench.micro", "--mpi-rows", cfg.name]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("MPI_ROWS "):
+            return json.loads(line[len("MPI_ROWS "):])
+    raise RuntimeError(f"the mpi rows failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
+
+
 def _chain(a: Any, b: Any, cfg: Config) -> Dict[str, float]:
     a.ping().result(30)
     b.ping().result(30)
@@ -744,6 +840,7 @@ def _round(cfg: Config) -> Dict[str, Any]:
         out[f"pingpong_{mode}_us"] = r["median_us"]
     out.update(mf.run(_session_main, cfg, contexts=2))
     out.update(mf.run(_chain_main, cfg, contexts=3))
+    out.update(mpi_rows(cfg))
     bw = baselines.bandwidth(cfg.bw_bytes, iters=cfg.bw_iters, warmup=1)
     out["baseline_bandwidth_mb_s"] = bw["mb_per_s"]
     out.update(_startup(cfg.startup_runs))
@@ -832,6 +929,13 @@ def bars(t1: Dict[str, float], base: Dict[str, float],
         bar(f"chain on one object ({tr}): per link at {int(long_):,} links <= 1.3x at {int(short):,}",
             cl["per_link_us"][long_], cl["per_link_us"][short], cl["ratio"], 1.3, "<=",
             "us per link; measured once per run")
+    if "mpi_null_rpc_persistent_us" in t1:
+        bar("null persistent call on mpi (mpiexec -n 2) <= the same on local",
+            t1["mpi_null_rpc_persistent_us"], t1["null_rpc_persistent_us"],
+            ratio_of("mpi_null_rpc_persistent_us", "null_rpc_persistent_us"), 1.0, "<=", "us")
+        bar("16 MB pass-and-return on mpi >= 70% of mpi4py's own Send/Recv", t1["mpi_bandwidth_mb_s"],
+            t1["mpi4py_bandwidth_mb_s"], ratio_of("mpi_bandwidth_mb_s", "mpi4py_bandwidth_mb_s"), 0.7,
+            ">=", "MB/s")
     v = t1["startup_first_answer_s"]
     bar("mf.run with 4 contexts to first answer < 0.5 s", v, 0.5, v / 0.5, 1.0, "<", "seconds")
     v = t1.get("idle_rss_fresh_mb", float("nan"))
@@ -857,6 +961,7 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
     med = {k: _median([rd.get(k) for rd in rounds]) for k in numeric}
     base = {k: med[k] for k in BASELINE_KEYS}
     t1 = {k: v for k, v in med.items() if k not in BASELINE_KEYS and k != "loadavg_1min"}
+    mpi_skipped = rounds[-1].get("mpi_skipped")
     for k in ("regular_default_ran_on", "regular_default_sync_ran_on", "regular_remote_sync_ran_on"):
         t1[k] = rounds[-1].get(k, {})
     for mode in baselines.MODES:
@@ -882,6 +987,7 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
                  "python": platform.python_version(), "platform": platform.platform(),
                  "cpus": os.cpu_count(), "numpy": np.__version__, "macroflow": mf.__version__,
                  "transport": "local",
+                 "mpi": mpi_skipped or "mpiexec -n 2, in each round",
                  "spin_us": float(os.environ.get("MACROFLOW_SPIN_US") or 50.0),
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "loadavg_1min_per_round": [rd.get("loadavg_1min") for rd in rounds],
@@ -955,6 +1061,22 @@ TABLE1_ROWS: List[Tuple[str, str, str, Optional[str], str]] = [
     ("", "Idle context PSS (MB)", "idle_pss_fresh_mb", None, "  shared pages divided among sharers"),
     ("", "Idle context RSS, bench (MB)", "idle_rss_mb", None, "context 1 forked from this bench process"),
 ]
+
+MPI_ROWS: List[Tuple[str, str, str, str]] = [
+    # (label, key, reference key, what the reference is)
+    ("Null RPC - persistent (us)", "mpi_null_rpc_persistent_us", "null_rpc_persistent_us",
+     "the same on local, same round"),
+    ("16 MB pass-and-return (MB/s)", "mpi_bandwidth_mb_s", "mpi4py_bandwidth_mb_s",
+     "mpi4py Send/Recv, same job"),
+    ("16 MB round trip (us)", "mpi_bandwidth_roundtrip_us", "mpi4py_bandwidth_roundtrip_us",
+     "mpi4py Send/Recv, same job"),
+    ("1-byte round trip, mpi4py (us)", "mpi4py_roundtrip_us", None, "no macroflow: the floor"),
+]
+
+
+def _mpi_table(t1: Dict[str, Any]) -> List[List[Any]]:
+    return [[label, t1.get(key), t1.get(ref) if ref else None, note]
+            for label, key, ref, note in MPI_ROWS if key in t1]
 
 
 def _fmt(v: Any) -> str:
@@ -1050,6 +1172,12 @@ def report(res: Dict[str, Any], out=None) -> None:
     if rows:
         render_table("Chain length: one persistent object on context 1, per link (us)",
                      ["transport", "lengths", "per link", "longest / shortest"], rows, out)
+    rows = _mpi_table(t1)
+    if rows:
+        render_table("MPI transport (mpiexec -n 2, in each round)", ["row", "mpi", "reference", "reference is"],
+                     rows, out)
+    else:
+        print(f"MPI rows skipped: {meta.get('mpi')}", file=out or sys.stdout)
     print("Other systems doing the same operations: macroflow bench peers", file=out or sys.stdout)
 
 
@@ -1118,6 +1246,13 @@ def markdown(res: Dict[str, Any]) -> str:
                   "the caller waits for the last. Microseconds per link.", "",
                   "| transport | lengths | per link | longest / shortest |", "| --- | --- | --- | ---: |"]
         lines += [f"| {r[0]} | {r[1]} | {r[2]} | {_fmt(r[3])} |" for r in rows]
+    rows = _mpi_table(t1)
+    if rows:
+        lines += ["", "### MPI transport", "",
+                  "A job of `mpiexec -n 2` in each round: rank 0 runs the session, rank 1 hosts the "
+                  "object; mpi4py's own Send/Recv between the same two ranks in the same job.", "",
+                  "| row | mpi | reference | reference is |", "| --- | ---: | ---: | --- |"]
+        lines += [f"| {r[0]} | {_fmt(r[1])} | {_fmt(r[2])} | {r[3]} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -1138,7 +1273,10 @@ def main(json_path: Optional[str] = None, quick: bool = False) -> int:
 if __name__ == "__main__":
     # Use the importable module, so that its classes pickle by reference.
     from macroflow.bench import micro as _micro
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+    if len(sys.argv) == 3 and sys.argv[1] == "--mpi-rows":  # every rank of mpi_rows' job
+        rows = mf.run(_micro._mpi_session, _micro.QUICK if sys.argv[2] == "quick" else _micro.FULL)
+        print("MPI_ROWS " + json.dumps(rows), flush=True)
+    elif len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         with open(sys.argv[1]) as f:
             print(_micro.markdown(json.load(f)))
     else:

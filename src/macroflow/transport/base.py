@@ -5,7 +5,7 @@ objects, futures or calls. A frame is a list of buffers: the first is a small
 pickled header, the rest are out-of-band payload buffers that the transport
 must deliver byte-for-byte and in order per (sender, receiver) pair.
 
-Adding a protocol (tcp, mpi) means writing one subclass and registering it in
+Adding a protocol (tcp, say) means writing one subclass and registering it in
 :data:`REGISTRY`; the models never change.
 """
 
@@ -27,7 +27,7 @@ class Transport(abc.ABC):
     Example:
         >>> from macroflow.transport.base import REGISTRY
         >>> sorted(REGISTRY)
-        ['inproc', 'local', 'tcp']
+        ['inproc', 'local', 'mpi', 'tcp']
     """
 
     #: protocol name, as it appears in a GlobalPointer's protocol list
@@ -95,4 +95,5 @@ REGISTRY: Dict[str, str] = {
     "local": "macroflow.transport.local",
     "inproc": "macroflow.transport.inproc",
     "tcp": "macroflow.transport.tcp",
+    "mpi": "macroflow.transport.mpi",
 }

@@ -1,0 +1,1312 @@
+"""The ``mpi`` protocol module: contexts are MPI ranks (mpi4py), on one host or a cluster.
+
+Two ways to start, one transport:
+
+- under ``mpiexec -n N python script.py`` every rank runs the script; when it
+  calls ``mf.run`` or ``mf.init`` (which pick this transport by themselves,
+  see :func:`world_from_environment`), rank 0 becomes context 0 and runs main,
+  and ranks 1..N-1 serve until the computation ends, then leave the process
+  (so the code after ``mf.run`` runs once, on rank 0);
+- from a plain process, ``mf.init(contexts=N, transport="mpi")`` spawns N-1
+  fresh interpreters with ``MPI_Comm_spawn`` (same ``sys.path`` and working
+  directory) and merges them with this process into one communicator. They
+  are not forked: classes of ``__main__`` travel by value, the others are
+  imported by name.
+
+Wire format. Every message is between two ranks of a communicator that this
+module owns (a duplicate of ``COMM_WORLD``, or the merged one), so its tags
+are ours. A message of tag ``FRAME`` holds one or more records back to back:
+``<II`` (number of buffers, sender's load), one ``<Q`` length per buffer, and
+the buffers of at most :data:`INLINE` bytes. A larger buffer (a numpy array
+out of band) is a message of its own, of tag ``DATA``, sent straight from the
+sender's memory and received straight into a pooled numpy buffer: no pickle,
+no copy. A record whose number of buffers is ``CONTROL`` carries a credit, a
+goodbye or its acknowledgement instead of a frame.
+
+Order: MPI does not let messages of one tag between two ranks overtake each
+other, and a receiver posts the receives of a frame's large buffers in the
+order the frames come, so frames arrive in order per (sender, receiver).
+
+Flow control. ``Isend`` is non-blocking and MPI buffers small messages at the
+receiver as long as it has memory; so a sender keeps at most
+:data:`WINDOW_MESSAGES` messages and :data:`WINDOW_BYTES` bytes in flight per
+peer, and the receiver hands credits back as it takes messages out of MPI. A
+sender waiting for credits (or for the receiver to take a large buffer) keeps
+receiving meanwhile, so two ranks flooding each other both go on. A frame
+with large buffers returns from :meth:`MpiTransport.send` once MPI has them
+out of the sender's memory, so the caller may change its arrays at once
+(call-by-value).
+
+Waiting. MPI has no descriptor to sleep on (:meth:`MpiTransport.fileno` is
+None): a waiting rank polls (``Improbe``, 0.25 us when nothing came) for
+``spin_us``, then sleeps in short naps (:data:`NAP_MIN`, timer slack 1 us)
+between polls while it sent or received something in the last :data:`HOT`
+seconds, so that a burst of calls is served without the other rank's
+round trips waiting on its naps; after that the naps double up to
+:data:`NAP_MAX`. An idle rank thus wakes 1/NAP_MAX times a second; what
+that costs is in docs/guide.md (section MPI).
+
+Lost peers. A rank that leaves in order (its computation ended, or its
+engine failed) says goodbye, and its peers report it lost. MPI cannot report
+a rank that dies (a signal, ``os._exit``): its process manager ends the whole
+job instead, every rank included, with a message naming the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from .base import Transport
+
+FRAME, DATA, HELLO, SETUP = 1, 2, 3, 4  # message tags
+INLINE = 64 * 1024  # buffers up to this size travel inside their frame's message
+COPY_MAX = 1 << 20  # larger buffers up to this size are sent from a copy (see send)
+EAGER = 8 * 1024  # a send larger than this may need its sender's progress to leave
+SMALL = 64 * 1024  # queued frames are joined into one message up to this size
+WINDOW_MESSAGES = 1024  # messages in flight per peer at most
+WINDOW_BYTES = 8 << 20  # bytes of frame messages in flight per peer at most
+CREDIT_EVERY = 4  # a receiver hands credits back at each quarter of a window
+NAP_MIN = 20e-6  # seconds: the nap of a rank that was active within HOT seconds
+HOT = 0.01
+NAP_MAX = 1e-3  # the longest nap (an idle rank polls 1/NAP_MAX times a second)
+SLEEP_MAX = 0.1  # the longest sleep of a rank that every peer can wake
+SPIN_WOKEN = 200e-6  # a rank woken for a frame it cannot see yet polls this long
+LINGER = 2.0  # seconds close() waits for its peers to take its last messages
+_PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
+_CALM = 0.01  # then sleep instead of spinning for this long
+_PROBES = 64  # messages taken per pass at most, so that sends get a turn
+_REC = struct.Struct("<II")
+_LEN1 = struct.Struct("<IIQ")  # the record of a one-buffer frame
+_CREDIT = struct.Struct("<QQ")
+CONTROL = 0xFFFFFFFF
+CREDIT, BYE, ACK = 1, 2, 3
+
+#: Environment variables that MPI launchers set in every rank: (rank, size).
+LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"),  # MPICH, Intel MPI, MVAPICH (hydra), srun --mpi=pmi2
+                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
+                      ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))  # MVAPICH (mpirun_rsh)
+
+#: Memory counted per spawned context when checking that a computation fits:
+#: a fresh interpreter with numpy, mpi4py and macroflow imported holds ~45 MB.
+CONTEXT_MEMORY = 64 << 20
+
+
+def world_from_environment(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, int]]:
+    """(rank, size) of this process if an MPI launcher started it, else None.
+
+    Read from the variables of :data:`LAUNCHER_VARIABLES`, without importing
+    mpi4py (which would start MPI).
+
+    Example:
+        >>> world_from_environment({"PMI_RANK": "2", "PMI_SIZE": "4"})
+        (2, 4)
+        >>> world_from_environment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8"})
+        (0, 8)
+        >>> world_from_environment({}) is None
+        True
+    """
+    env = os.environ if environ is None else environ
+    for rank_var, size_var in LAUNCHER_VARIABLES:
+        rank, size = env.get(rank_var), env.get(size_var)
+        if rank is not None and size is not None:
+            try:
+                return int(rank), int(size)
+            except ValueError:
+                continue
+    return None
+
+
+def available() -> Optional[str]:
+    """None if this transport can be used here, else why not (without starting MPI).
+
+    Example:
+        >>> r = available()
+        >>> r is None or "mpi4py" in r or "mpiexec" in r
+        True
+    """
+    import importlib.util
+    if importlib.util.find_spec("mpi4py") is None:
+        return ("the mpi transport needs mpi4py: pip install \"macroflow[mpi]\" (mpi4py and the "
+                "MPICH library), or pip install mpi4py built against this system's MPI")
+    if world_from_environment() is None and _find_mpiexec() is None:
+        return ("the mpi transport starts ranks through MPI's process manager, but no mpiexec "
+                "was found beside this Python nor on PATH")
+    return None
+
+
+def _find_mpiexec() -> Optional[str]:
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mpiexec")
+
+
+_MPI: Any = None
+
+
+def mpi() -> Any:
+    """The ``mpi4py.MPI`` module: MPI starts (once per process) on first use.
+
+    MPI cannot start again in a process once it has ended, so it ends only at
+    exit (mpi4py's own handler). A process started without a launcher finds
+    its process manager (``mpiexec``, which MPICH starts to spawn ranks) beside
+    this Python, where the ``mpich`` wheel puts it, when PATH does not have one.
+
+    Raises:
+        ImportError: mpi4py is not installed (with how to install it).
+
+    Example:
+        >>> available() is not None or mpi().Is_initialized()
+        True
+    """
+    global _MPI
+    if _MPI is None:
+        if world_from_environment() is None and shutil.which("mpiexec") is None:
+            here = os.path.dirname(sys.executable)
+            if os.access(os.path.join(here, "mpiexec"), os.X_OK):
+                os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ImportError(available() or f"mpi4py cannot be imported: {e}") from e
+        _MPI = MPI
+    return _MPI
+
+
+def _children(pid: int) -> List[Tuple[int, bytes]]:
+    """(pid, command line) of the processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                out.append((int(name), f.read()))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def process_manager_pids() -> List[int]:
+    """The pids of MPI's process manager that this process started, if any.
+
+    A process that spawns ranks without a launcher makes MPICH start an
+    ``mpiexec`` (and its proxy) that serve it until it ends; the ranks it
+    spawns are children of that proxy, and end with their computation.
+
+    Example:
+        >>> all(isinstance(p, int) for p in process_manager_pids())
+        True
+    """
+    if _MPI is None:
+        return []
+    found = []
+    for pid, cmd in _children(os.getpid()):
+        if b"-pmi_args" in cmd:  # singleton init: mpiexec -pmi_args PORT ...
+            found.append(pid)
+            found += [c for c, ccmd in _children(pid) if b"hydra_pmi_proxy" in ccmd]
+    return found
+
+
+def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
+    """End this rank's process: MPI ends in order first, or its process manager
+    would take the exit for a crash and end every rank of the job."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    try:
+        if _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized():
+            _MPI.Finalize()
+    finally:
+        # C's exit, not os._exit: the network modules' own exit handlers close
+        # their connections, without which the peers see an abnormal end
+        ctypes.CDLL(None).exit(code)
+
+
+class Waker:
+    """A rank's wake-up socket: a datagram in Linux's abstract namespace.
+
+    MPI gives a rank nothing to sleep on; so a rank that has polled for
+    ``spin_us`` in vain sleeps in ``select`` on this socket, and a peer on the
+    same host that sends it a frame also sends it one byte here. The byte
+    only wakes the sleeper; the frame travels through MPI.
+
+    Example:
+        >>> a, b = Waker("doc-example", 0), Waker("doc-example", 1)
+        >>> b.wake(Waker.address("doc-example", 0))
+        >>> a.sleep(5.0), a.sleep(0.0)
+        (True, True)
+        >>> a.drain(), a.sleep(0.0)
+        (1, False)
+        >>> a.close(); b.close()
+    """
+
+    def __init__(self, name: str, rank: int):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(self.address(name, rank))
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+
+    @staticmethod
+    def address(name: str, rank: int) -> bytes:
+        return f"\0macroflow-mpi-{name}-{rank}".encode()
+
+    def wake(self, addr: bytes) -> None:
+        try:
+            self.sock.sendto(b"w", addr)
+        except OSError:
+            pass  # its buffer is full (it has wake-ups to read already), or it is gone
+
+    def drain(self) -> int:
+        """Read every wake-up that came; returns how many."""
+        recv = self.sock.recv
+        n = 0
+        try:
+            while True:
+                recv(64)
+                n += 1
+        except OSError:
+            return n
+
+    def sleep(self, timeout: float) -> bool:
+        """Wait until woken or ``timeout`` seconds; True if woken."""
+        import select
+        try:
+            return bool(select.select([self.fd], [], [], timeout)[0])
+        except InterruptedError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Frame:
+    __slots__ = ("parts", "load", "reqs")
+
+    def __init__(self, parts: List[Any], load: int, reqs: List[Any]):
+        self.parts = parts
+        self.load = load
+        self.reqs = reqs
+
+
+class MpiTransport(Transport):
+    """Frames between the ranks of one communicator, as seen by one rank.
+
+    ``comm`` is a communicator that this transport alone uses (its tags are
+    ours); context ids are ranks. ``release`` lists communicators to
+    disconnect when the transport closes (those of spawned ranks).
+
+    Example (one rank sending to itself on ``COMM_SELF``; needs mpi4py):
+        >>> ok = available() is None
+        >>> t = MpiTransport(mpi().COMM_SELF.Dup()) if ok else None
+        >>> got = []
+        >>> t is None or t.attach(lambda src, bufs, load: got.append((src, bytes(bufs[0]), load)), None)
+        True
+        >>> t is None or t.send(0, [b"hello"], 7) > 5
+        True
+        >>> t is None or t.poll(1.0)
+        True
+        >>> got if ok else [(0, b'hello', 7)]
+        [(0, b'hello', 7)]
+        >>> t is None or t.close()
+        True
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: Any, spin_us: float = 0.0, release: Sequence[Any] = (),
+                 wake: Optional[Tuple[str, Mapping[int, str]]] = None):
+        super().__init__()
+        MPI = mpi()
+        self.MPI = MPI
+        self.comm = comm
+        self.ctx = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.release = list(release)
+        self.spin_s = spin_us / 1e6
+        self.status = MPI.Status()
+        self.any_source = MPI.ANY_SOURCE
+        self.byte = MPI.BYTE
+        from .local import BufferPool
+        self.pool = BufferPool()
+        self.gone: Set[int] = set()  # peers that said goodbye (or that we gave up on)
+        self.closed = False
+        self.closing = False  # in close(): frames that come are taken and dropped
+        self.acked: Set[int] = set()  # peers that answered our goodbye
+        self.leaving: List[int] = []  # the peers we said goodbye to
+        # flow control, per peer: messages and bytes sent / credited back
+        n = self.size
+        self.sent_msgs = [0] * n
+        self.sent_bytes = [0] * n
+        self.acked_msgs = [0] * n
+        self.acked_bytes = [0] * n
+        # and as a receiver: taken out of MPI / credited to the sender
+        self.got_msgs = [0] * n
+        self.got_bytes = [0] * n
+        self.credited_msgs = [0] * n
+        self.credited_bytes = [0] * n
+        self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of our sends
+        self.pushing = 0  # sends in `unfinished` too large to leave without our progress
+        self.sends = 0
+        self.inflight: Dict[int, Deque[_Frame]] = {}  # frames waiting for their large buffers
+        self.wbuf: Dict[int, bytearray] = {}  # frames queued per peer until flush
+        self.blocked_on: Optional[int] = None  # the peer a send waits for room at (if any)
+        self.calm_until = 0.0
+        self.spins_preempted = 0
+        self.naps = 0
+        self.active_at = 0.0  # when this rank last sent or received a frame
+        self.nap_len = 0.0  # the last nap of an idle rank (they double)
+        self.sleeps = 0
+        self.empty_wakes = 0
+        self.expect = False  # woken for a frame MPI has not shown yet
+        _fine_timer_slack()
+        # wake-up sockets of the peers on this host (see Waker)
+        self.waker: Optional[Waker] = None
+        self.wakes: Dict[int, bytes] = {}
+        self.woken_by_all = False
+        if wake is not None:
+            name, hosts = wake
+            self.waker = Waker(name, self.ctx)
+            me = hosts.get(self.ctx)
+            self.wakes = {p: Waker.address(name, p) for p, h in hosts.items()
+                          if h == me and p != self.ctx}
+            self.woken_by_all = len(self.wakes) == self.size - 1
+        self.abandoned: List[Tuple[Any, Any]] = []  # requests MPI would not cancel, and their buffers
+
+    # -- what core asks ----------------------------------------------------
+    def fileno(self) -> Optional[int]:
+        # readable when a frame comes, if every peer can wake us (same host)
+        return self.waker.sock.fileno() if self.waker is not None and self.woken_by_all else None
+
+    def peers(self) -> List[int]:
+        return [p for p in range(self.size) if p != self.ctx and p not in self.gone]
+
+    def address(self) -> Tuple[str, str]:
+        return ("mpi", f"{self.MPI.Get_processor_name()}:{os.getpid()}:rank{self.ctx}")
+
+    def attach(self, deliver, lost) -> bool:  # type: ignore[override]
+        super().attach(deliver, lost)
+        return True  # (for the doctest's one-liners)
+
+    # -- sending -------------------------------------------------------------
+    def queue(self, dest: int, parts: Sequence[object], load: int) -> int:
+        self._check(dest)
+        rec = _record(parts, load)
+        if rec is None or len(rec) > SMALL:
+            return self.send(dest, parts, load)
+        w = self.wbuf.get(dest)
+        if w is None:
+            self.wbuf[dest] = bytearray(rec)
+        else:
+            w += rec
+            if len(w) >= SMALL:
+                self._flush_one(dest)
+        return len(rec)
+
+    def flush(self) -> None:
+        for dest in list(self.wbuf):
+            self._flush_one(dest)
+
+    def _flush_one(self, dest: int) -> None:
+        data = self.wbuf.pop(dest, None)
+        if data and dest not in self.gone:
+            self._post(dest, data, counted=True)
+
+    def send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        self._check(dest)
+        if dest in self.wbuf:
+            self._flush_one(dest)  # the frames queued before this one go first
+        # a peer that left is found here, within three sends (looking costs
+        # a probe: not on every send)
+        self.sends += 1
+        if self.sends % 3 == 0:
+            self._progress()
+            if dest in self.gone:
+                raise ConnectionError(f"context {dest} has left")
+        rec = _record(parts, load)
+        if rec is not None:
+            self._post(dest, rec, counted=True)
+            return len(rec)
+        views = [_view(p) for p in parts]
+        lens = [v.nbytes for v in views]
+        head = bytearray(_REC.pack(len(views), load))
+        head += struct.pack(f"<{len(views)}Q", *lens)
+        for v in views:
+            if v.nbytes <= INLINE:
+                head += v
+        self._post(dest, head, counted=True,
+                   extra=sum(n for n in lens if INLINE < n <= COPY_MAX))
+        byte, isend = self.byte, self.comm.Isend
+        reqs = []
+        for v in views:
+            if v.nbytes > COPY_MAX:
+                reqs.append(isend([v, byte], dest, DATA))
+            elif v.nbytes > INLINE:
+                # a copy of our own (as a socket copies into the kernel): the
+                # send returns before the peer takes it, within the window
+                c = bytearray(v)
+                self.unfinished.append((isend([c, byte], dest, DATA), c))
+                self.pushing += 1
+        self._wait_sent(dest, reqs, views)
+        return len(head) + sum(n for n in lens if n > INLINE)
+
+    def _check(self, dest: int) -> None:
+        if self.closed:
+            raise ConnectionError("the transport is closed")
+        if not isinstance(dest, int) or not 0 <= dest < self.size:
+            raise ConnectionError(f"no context {dest} (ranks 0..{self.size - 1})")
+        if dest in self.gone:
+            raise ConnectionError(f"context {dest} has left")
+
+    def _post(self, dest: int, data: Any, counted: bool, extra: int = 0) -> None:
+        """Isend one FRAME message, within the peer's window when ``counted``
+        (``extra``: bytes of DATA messages that follow it and count too)."""
+        if counted:
+            n = len(data) + extra
+            if (self.sent_msgs[dest] - self.acked_msgs[dest] >= WINDOW_MESSAGES
+                    or (self.sent_bytes[dest] - self.acked_bytes[dest] + n > WINDOW_BYTES
+                        and self.sent_bytes[dest] > self.acked_bytes[dest])):
+                self._wait_room(dest, n)
+            self.sent_msgs[dest] += 1
+            self.sent_bytes[dest] += n
+            self.active_at = time.monotonic()
+        self.unfinished.append((self.comm.Isend([data, self.byte], dest, FRAME), data))
+        if len(data) > EAGER:
+            self.pushing += 1
+        if len(self.unfinished) > 32:
+            self._reap()
+        w = self.wakes.get(dest)
+        if w is not None:
+            self.waker.wake(w)  # type: ignore[union-attr]
+
+    def _wait_room(self, dest: int, n: int) -> None:
+        # the peer has not taken our last window yet: take what comes for us
+        # meanwhile (credits among it), so that two ranks flooding each other
+        # both go on
+        self.blocked_on = dest
+        try:
+            while (self.sent_msgs[dest] - self.acked_msgs[dest] >= WINDOW_MESSAGES
+                   or (self.sent_bytes[dest] - self.acked_bytes[dest] + n > WINDOW_BYTES
+                       and self.sent_bytes[dest] > self.acked_bytes[dest])):
+                if dest in self.gone:
+                    raise ConnectionError(f"context {dest} has left")
+                if not self._progress():
+                    self._nap(NAP_MIN)
+        finally:
+            self.blocked_on = None
+
+    def _wait_sent(self, dest: int, reqs: List[Any], views: List[Any]) -> None:
+        """Wait until MPI has the large buffers out of our memory, receiving meanwhile."""
+        if not reqs:
+            return
+        Testall = self.MPI.Request.Testall
+        self.blocked_on = dest
+        try:
+            while not Testall(reqs):
+                if dest in self.gone:
+                    self._abandon(reqs, views)
+                    raise ConnectionError(f"context {dest} left before taking a frame")
+                if not self._progress() and not self._moved:
+                    # the peer copies out of our memory as it makes progress:
+                    # a short nap at most, or the copy waits for us
+                    self._nap(NAP_MIN)
+        finally:
+            self.blocked_on = None
+
+    def _abandon(self, reqs: List[Any], bufs: Any) -> None:
+        for r in reqs:
+            try:
+                r.Cancel()
+            except Exception:
+                pass
+        # a cancelled request completes at once; one MPI could not cancel keeps
+        # its buffer alive for as long as this transport lives
+        if not self.MPI.Request.Testall(reqs):
+            self.abandoned.append((reqs, bufs))
+
+    def _reap(self) -> None:
+        """Forget the sends MPI has finished with (they finish in order, or nearly)."""
+        u = self.unfinished
+        while u and u[0][0].Test():
+            if len(u.popleft()[1]) > EAGER:
+                self.pushing -= 1
+        if self.pushing and u:
+            # one that waits for its peer must not hold back the others' count
+            self.pushing = sum(1 for r, b in u if len(b) > EAGER and not r.Test())
+
+    def _credit(self, src: int) -> None:
+        self.credited_msgs[src] = self.got_msgs[src]
+        self.credited_bytes[src] = self.got_bytes[src]
+        rec = _REC.pack(CONTROL, CREDIT) + _CREDIT.pack(self.got_msgs[src], self.got_bytes[src])
+        self._post(src, rec, counted=False)
+
+    def _control(self, dest: int, kind: int) -> None:
+        self._post(dest, _REC.pack(CONTROL, kind) + _CREDIT.pack(0, 0), counted=False)
+
+    # -- receiving -----------------------------------------------------------
+    _moved = False  # the last _progress completed sends or receives of large buffers
+
+    def poll(self, timeout: Optional[float]) -> bool:
+        if self._progress():
+            return True
+        if timeout == 0:
+            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.spin_s > 0.0 and not self.inflight:
+            if self._spin(deadline):
+                return True
+        waker = self.waker
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+            else:
+                left = SLEEP_MAX
+            if self.inflight:
+                # a large buffer is on its way: MPI moves it as we poll
+                self._nap(min(NAP_MIN, left))
+            elif self.pushing:
+                # a large message MPI has not sent yet needs our progress to leave
+                self._nap(min(NAP_MAX, left))
+            elif waker is not None and self.wakes:
+                # Peers on this host wake us; others (if any) are polled for
+                # every NAP_MAX. A wake-up comes right after its frame was
+                # handed to MPI, which may take a while to show it here: so
+                # one read now means a frame is on its way, and we poll for
+                # it (SPIN_WOKEN) rather than sleep past it.
+                if waker.drain():
+                    if self._progress() or self._spin(deadline, woken=True):
+                        return True
+                    self.empty_wakes += 1
+                    self.expect = True  # it is late: sleep briefly until it shows
+                    continue
+                if self._progress():
+                    return True
+                self._reap()
+                self.sleeps += 1
+                longest = SLEEP_MAX if self.woken_by_all and not self.expect else NAP_MAX
+                waker.sleep(min(left, longest))
+                continue
+            else:
+                self._nap(min(NAP_MAX, left))
+            if self._progress():
+                return True
+
+    def _nap(self, most: float = NAP_MAX) -> None:
+        """Sleep NAP_MIN if this rank was active in the last HOT seconds, else
+        twice as long as last time (up to NAP_MAX); ``most`` at most."""
+        if time.monotonic() - self.active_at < HOT:
+            d = NAP_MIN
+        else:
+            d = self.nap_len = min(max(self.nap_len * 2, NAP_MIN), NAP_MAX)
+        self.naps += 1
+        time.sleep(min(d, most))
+
+    def _spin(self, deadline: Optional[float], woken: bool = False) -> bool:
+        # As local does: poll for spin_s before sleeping, but only while this
+        # rank has a core to itself (a gap between two polls means another
+        # process had it; then sleep at once for a while). Woken for a frame,
+        # poll for it without giving the core away (it is on its way).
+        now = time.perf_counter()
+        if now < self.calm_until and not woken:
+            return False
+        end = now + (SPIN_WOKEN if woken else self.spin_s)
+        if deadline is not None:
+            end = min(end, now + max(0.0, deadline - time.monotonic()))
+        clock = time.perf_counter
+        yield_ = (lambda: None) if woken else os.sched_yield
+        progress = self._progress
+        last = now
+        while True:
+            if progress():
+                return True
+            t = clock()
+            if t - last > _PREEMPTED:
+                self.calm_until = t + _CALM
+                self.spins_preempted += 1
+                return False
+            if t > end:
+                return False
+            last = t
+            yield_()  # lets a process waiting for this core run first
+
+    def _progress(self) -> bool:
+        """One pass: finish large receives, take the messages that came; True if
+        a frame was delivered."""
+        got = False
+        self._moved = False
+        if self.inflight:
+            got = self._advance()
+        if self.pushing or len(self.unfinished) > 16:
+            self._reap()
+        comm, status = self.comm, self.status
+        for _ in range(_PROBES):
+            msg = comm.Improbe(self.any_source, FRAME, status)
+            if msg is None:
+                break
+            src = status.Get_source()
+            buf = bytearray(status.Get_count(self.byte))
+            msg.Recv([buf, self.byte])
+            got = self._parse(src, buf) or got
+        if got or self._moved:
+            self.active_at = time.monotonic()
+            self.expect = False
+        return got
+
+    def _advance(self) -> bool:
+        got = False
+        Testall = self.MPI.Request.Testall
+        for src in list(self.inflight):
+            q = self.inflight[src]
+            while q and Testall(q[0].reqs):
+                f = q.popleft()
+                self._moved = True
+                if not self.closing:
+                    self.deliver(src, f.parts, f.load)  # type: ignore[misc]
+                    got = True
+            if not q:
+                del self.inflight[src]
+        return got
+
+    def _parse(self, src: int, buf: bytearray) -> bool:
+        got = False
+        mv = memoryview(buf)
+        pos, end = 0, len(buf)
+        counted = False
+        copied = 0
+        deliver = self.deliver
+        while pos < end:
+            nb, load = _REC.unpack_from(buf, pos)
+            if nb == CONTROL:
+                a, b = _CREDIT.unpack_from(buf, pos + 8)
+                pos += 8 + _CREDIT.size
+                if load == CREDIT:
+                    self.acked_msgs[src] = max(self.acked_msgs[src], a)
+                    self.acked_bytes[src] = max(self.acked_bytes[src], b)
+                elif load == BYE:
+                    self._bye(src)
+                elif load == ACK:
+                    self.acked.add(src)
+                continue
+            counted = True
+            if nb == 1:
+                n0 = _LEN1.unpack_from(buf, pos)[2]
+                if n0 <= INLINE:
+                    pos += 16
+                    parts = [mv[pos:pos + n0]]
+                    pos += n0
+                    if src in self.inflight:
+                        self.inflight[src].append(_Frame(parts, load, []))
+                    elif not self.closing:
+                        deliver(src, parts, load)  # type: ignore[misc]
+                        got = True
+                    continue
+            lens = struct.unpack_from(f"<{nb}Q", buf, pos + 8)
+            pos += 8 + 8 * nb
+            parts = []
+            reqs = []
+            for n in lens:
+                if n <= INLINE:
+                    parts.append(mv[pos:pos + n])
+                    pos += n
+                else:
+                    if n <= COPY_MAX:
+                        copied += n  # in the sender's window
+                    # received in place: the array the user gets is this memory
+                    big = self.pool.get(n)
+                    reqs.append(self.comm.Irecv([big, self.byte], src, DATA))
+                    parts.append(big)
+            if reqs or src in self.inflight:
+                self.inflight.setdefault(src, deque()).append(_Frame(parts, load, reqs))
+            elif not self.closing:
+                deliver(src, parts, load)  # type: ignore[misc]
+                got = True
+        if counted:
+            self.got_msgs[src] += 1
+            self.got_bytes[src] += end + copied
+            if src not in self.gone and (
+                    self.got_msgs[src] - self.credited_msgs[src] >= WINDOW_MESSAGES // CREDIT_EVERY
+                    or self.got_bytes[src] - self.credited_bytes[src] >= WINDOW_BYTES // CREDIT_EVERY):
+                self._credit(src)
+        return got
+
+    def _bye(self, src: int) -> None:
+        """``src`` is leaving: everything it sent has come (order per pair)."""
+        if src in self.gone:
+            self.acked.add(src)  # we said goodbye too: its goodbye answers ours
+            return
+        self.gone.add(src)
+        self.wbuf.pop(src, None)
+        try:
+            self._control(src, ACK)  # after everything we sent it: it can go
+        except Exception:
+            pass
+        if not self.closing and self.lost is not None:
+            self.lost(src, "its context left (it said goodbye on MPI)")
+
+    # -- closing -------------------------------------------------------------
+    def close(self, linger: float = LINGER) -> bool:  # type: ignore[override]
+        """Say goodbye to every peer, take what they still send until each one
+        answers (or ``linger`` seconds pass), then let MPI forget the rest."""
+        if self.closed:
+            return True
+        self.goodbye()
+        self.linger(linger)
+        return True
+
+    def goodbye(self) -> None:
+        """The first half of :meth:`close`: flush, and tell every peer we leave."""
+        if self.closing:
+            return
+        try:
+            self.flush()
+        except Exception:
+            pass
+        self.closing = True
+        self.leaving = self.peers()
+        for p in self.leaving:
+            try:
+                self._control(p, BYE)
+                self.gone.add(p)
+            except Exception:
+                self.acked.add(p)
+
+    def linger(self, linger: float = LINGER) -> None:
+        """The second half of :meth:`close`: take what the peers still send
+        (their large buffers included) until each has answered our goodbye, or
+        ``linger`` seconds; then cancel what is left and release the
+        communicators."""
+        deadline = time.monotonic() + linger
+        try:
+            while (any(p not in self.acked for p in self.leaving) or self.inflight
+                   or self.unfinished) and time.monotonic() < deadline:
+                if not self._progress() and not self._moved:
+                    self._nap(NAP_MIN)
+        except Exception:
+            pass
+        self.abandon()
+        self.closed = True
+        if self.waker is not None:
+            self.waker.close()
+        for c in self.release:
+            try:
+                c.Disconnect()
+            except Exception:
+                pass
+
+    def abandon(self) -> None:
+        """Cancel every request still pending (a rank leaving in a hurry)."""
+        reqs = [r for r, _ in self.unfinished]
+        bufs = [b for _, b in self.unfinished]
+        for q in self.inflight.values():
+            for f in q:
+                reqs.extend(f.reqs)
+                bufs.append(f.parts)
+        self.unfinished.clear()
+        self.pushing = 0
+        self.inflight.clear()
+        if reqs:
+            self._abandon(reqs, bufs)
+
+
+def _fine_timer_slack() -> None:
+    """Let this thread's short sleeps last what they ask (Linux adds up to 50 us
+    by default, which would more than double a nap of NAP_MIN)."""
+    try:
+        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
+    except (OSError, AttributeError):
+        pass
+
+
+def _view(p: object) -> memoryview:
+    if isinstance(p, __import__("pickle").PickleBuffer):
+        return p.raw()
+    m = memoryview(p)  # type: ignore[arg-type]
+    return m if m.format == "B" and m.ndim == 1 and m.c_contiguous else m.cast("B")
+
+
+def _record(parts: Sequence[object], load: int) -> Optional[bytes]:
+    """The frame as one record if every buffer travels inline, else None."""
+    if len(parts) == 1:
+        d = parts[0]
+        if isinstance(d, (bytes, bytearray)) and len(d) <= INLINE:
+            return _LEN1.pack(1, load, len(d)) + d
+    views = [_view(p) for p in parts]
+    lens = [v.nbytes for v in views]
+    if any(n > INLINE for n in lens):
+        return None
+    return b"".join([_REC.pack(len(views), load), struct.pack(f"<{len(views)}Q", *lens), *views])
+
+
+# -- starting ranks ------------------------------------------------------------
+
+def _poll_messages(comm: Any, tag: int, count: int, what: str, timeout: Optional[float],
+                   waiting_for: Callable[[Set[int]], str]) -> Dict[int, Any]:
+    """Receive one pickled message of ``tag`` from each of ``count`` ranks,
+    sleeping between polls (a blocking receive would spin a core)."""
+    MPI = mpi()
+    got: Dict[int, Any] = {}
+    status = MPI.Status()
+    start = time.monotonic()
+    told = False
+    nap = 0.0
+    while len(got) < count:
+        if comm.Iprobe(MPI.ANY_SOURCE, tag, status):
+            src = status.Get_source()
+            got[src] = comm.recv(source=src, tag=tag)
+            nap = 0.0
+            continue
+        waited = time.monotonic() - start
+        if timeout is not None and waited > timeout:
+            raise RuntimeError(f"{what}: no answer within {timeout:g} s from "
+                               f"{waiting_for(set(got))}")
+        if not told and waited > 10.0:
+            print(f"macroflow: {what}: still waiting for {waiting_for(set(got))}",
+                  file=sys.stderr, flush=True)
+            told = True
+        nap = min(max(nap * 2, NAP_MIN), 0.01)
+        time.sleep(nap)
+    return got
+
+
+def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dict[int, Tuple[str, int]]]:
+    """Start ``count`` fresh ranks that run ``entry`` ("module:function").
+
+    Each is ``sys.executable`` started by ``MPI_Comm_spawn`` with this
+    process's ``sys.path`` and working directory; it merges with this process
+    into one communicator (this process is rank 0) and calls
+    ``function(comm)``. Returns (intercommunicator, merged communicator,
+    {rank: (host, pid)}). A rank that cannot import ``entry`` says why, and
+    this raises RuntimeError with its traceback.
+
+    Example:
+        >>> if available() is None:
+        ...     inter, comm, hosts = spawn(1, "macroflow.transport.mpi:_hello_only")
+        ...     size = comm.Get_size()
+        ...     comm.Disconnect(); inter.Disconnect()
+        ... else:
+        ...     size = 2
+        >>> size
+        2
+    """
+    MPI = mpi()
+    code = (f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}; "
+            f"from macroflow.transport.mpi import _spawned; _spawned({entry!r})")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
+    comm = inter.Merge(high=False)
+    hellos = _poll_messages(comm, HELLO, count, f"starting {count} MPI ranks", timeout,
+                            lambda have: "ranks " + ", ".join(
+                                str(r) for r in range(1, count + 1) if r not in have))
+    errors = {r: h[1] for r, h in hellos.items() if h[0] == "error"}
+    if errors:
+        try:
+            comm.Disconnect()
+            inter.Disconnect()
+        except Exception:
+            pass
+        r, text = sorted(errors.items())[0]
+        raise RuntimeError(f"spawned rank {r} could not start ({entry}):\n{text}")
+    return inter, comm, {r: (h[1], h[2]) for r, h in hellos.items()}
+
+
+def _hello(comm: Any) -> None:
+    comm.send(("ok", socket.gethostname(), os.getpid()), dest=0, tag=HELLO)
+
+
+def _spawned(entry: str) -> None:  # pragma: no cover - runs in a spawned rank
+    """What a spawned rank runs: merge with its parent, say hello, run ``entry``, leave."""
+    MPI = mpi()
+    parent = MPI.Comm.Get_parent()
+    comm = parent.Merge(high=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
+    try:
+        import importlib
+        mod, _, fn = entry.partition(":")
+        target = getattr(importlib.import_module(mod), fn)
+    except BaseException:
+        comm.send(("error", traceback.format_exc()), dest=0, tag=HELLO)
+        _leave(0)
+    try:
+        target(comm)
+    except BaseException:
+        traceback.print_exc()
+    _leave(0)
+
+
+def _hello_only(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
+    _hello(comm)
+
+
+def hear_hellos(comm: Any) -> Dict[int, Tuple[str, int]]:
+    """Context 0 under mpiexec: wait until every other rank has called mf.run
+    or mf.init; returns {rank: (host, pid)}."""
+    n = comm.Get_size()
+    hellos = _poll_messages(comm, HELLO, n - 1, "starting the computation", None,
+                            lambda have: "ranks " + ", ".join(
+                                str(r) for r in range(1, n) if r not in have)
+                            + " to call mf.run or mf.init")
+    return {r: (h[1], h[2]) for r, h in hellos.items()}
+
+
+def handshake(comm: Any, setup: Dict[str, Any]) -> None:
+    """Context 0's side of starting a computation: send every rank ``setup``."""
+    reqs = [comm.isend(setup, dest=r, tag=SETUP) for r in range(1, comm.Get_size())]
+    for r in reqs:
+        r.wait()
+
+
+def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in ranks 1..N-1
+    """A rank other than 0: say hello, get the setup, serve until the computation ends."""
+    from ..core import context as _ctx
+    from ..core import marshal
+    from ..core.context import Engine
+    if not spawned:
+        _hello(comm)
+    setup = _poll_messages(comm, SETUP, 1, "waiting for context 0", None,
+                           lambda have: "context 0")[0]
+    if spawned:
+        marshal.forget_main_snapshot()  # nothing of this process's __main__ is sent
+    else:
+        marshal.snapshot_main()  # the same script runs everywhere: what it defined exists here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    transport = MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"]))
+
+    def terminate(signum, frame):
+        # asked to stop while computing: leave in order, or the process
+        # manager takes this rank for crashed and ends the whole job
+        transport.goodbye()
+        transport.linger(0.1)
+        _leave(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    eng = None
+    try:
+        eng = Engine(comm.Get_rank(), comm.Get_size(), transport, setup["placement"],
+                     computation=setup["computation"])
+        eng.describe_lost = lambda peer: ""  # the transport's words say it best here
+        _ctx._state.default = eng
+        eng.serve_forever()
+    except BaseException:
+        text = traceback.format_exc()
+        sys.stderr.write(text)
+        try:
+            if eng is not None:
+                eng.report_fatal(text)
+        except Exception:
+            comm.Abort(1)  # nobody can be told: end the job rather than leave it hanging
+    try:
+        transport.close()
+    except Exception:
+        traceback.print_exc()
+
+
+def _serve_spawned(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
+    _hello(comm)
+    _serve(comm, spawned=True)
+
+
+def serve_world(comm: Any) -> None:  # pragma: no cover - runs in ranks 1..N-1 under mpiexec
+    """Serve as one of ranks 1..N-1 of an mpiexec job, then end the process."""
+    try:
+        _serve(comm, spawned=False)
+    finally:
+        _leave(0)
+
+
+# -- errors under mpiexec ------------------------------------------------------
+
+#: Under mpiexec, how long a rank other than 0 waits before it prints its
+#: uncaught error: if rank 0 fails too, it prints first and ends the job.
+SECOND_VOICE_DELAY = 1.0
+
+
+def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int] = None) -> None:
+    r"""``sys.excepthook`` of the ranks of an mpiexec job (installed on import).
+
+    An uncaught error ends every rank, printed once: rank 0 prints at once;
+    another rank waits :data:`SECOND_VOICE_DELAY` seconds first (when every
+    rank fails alike, rank 0's report ends the job before the others speak).
+    Then ``MPI_Abort`` ends the job: the other ranks may be waiting for this
+    one (a rank that ends before MPI started in it leaves the others waiting
+    in MPI's start forever), and MPI's own ending would wait for them. MPI is
+    started for that if it is not running yet (for 10 s at most, or the
+    process just ends with code 1).
+
+    Example (what rank 0 does, without MPI running):
+        >>> import io, contextlib
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     excepthook(ValueError, ValueError("bad"), None,
+        ...                previous=lambda t, v, tb: print(f"{t.__name__}: {v}", file=sys.stderr),
+        ...                rank=0)
+        >>> err.getvalue()
+        'ValueError: bad\n'
+    """
+    world = world_from_environment()
+    if rank is None:
+        rank = world[0] if world is not None else 0
+    started = world is not None and _start_mpi_for_abort()
+    if rank != 0 and not issubclass(etype, KeyboardInterrupt):
+        time.sleep(SECOND_VOICE_DELAY)
+    previous(etype, value, tb)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    if started:
+        _MPI.COMM_WORLD.Abort(1)
+
+
+def _start_mpi_for_abort(wait: float = 10.0) -> bool:
+    """Have MPI running here (so that MPI_Abort can end the job); False if it
+    has ended already, or does not start within ``wait`` seconds (the other
+    ranks never start it)."""
+    if _MPI is not None:
+        return _MPI.Is_initialized() and not _MPI.Is_finalized()
+    import threading
+    t = threading.Thread(target=lambda: _try(mpi), daemon=True)
+    t.start()
+    t.join(wait)
+    return _MPI is not None and _MPI.Is_initialized()
+
+
+def _try(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def install_excepthook() -> bool:
+    """Install :func:`excepthook` if this process is one of several mpiexec
+    ranks and nobody replaced Python's own hook; True if installed.
+
+    Example:
+        >>> install_excepthook() == (world_from_environment() is not None and
+        ...                          world_from_environment()[1] > 1)
+        True
+    """
+    world = world_from_environment()
+    if world is None or world[1] < 2 or sys.excepthook is not sys.__excepthook__:
+        return False
+    sys.excepthook = excepthook
+    return True
+
+
+# -- the launcher --------------------------------------------------------------
+
+_world_done = False  # under mpiexec: the other ranks left with the first computation
+#: Set by ``macroflow run --transport mpi``: the file where context 0 writes
+#: "rank host pid" per context before the computation starts (and waits for
+#: the file "<it>.watched"), so that a rank that dies can be named.
+CONTEXTS_FILE = "MACROFLOW_MPI_CONTEXTS"
+
+
+def check_room(contexts: int) -> None:
+    """Raise LimitError if ``contexts`` contexts cannot be started here.
+
+    Under mpiexec the ranks exist already; otherwise the ``contexts - 1``
+    spawned interpreters must fit in memory (:data:`CONTEXT_MEMORY` each).
+
+    Example:
+        >>> check_room(2)
+    """
+    if world_from_environment() is not None:
+        return
+    from ..core.errors import LimitError
+    from .local import _mem_available
+    avail = _mem_available()
+    need = (contexts - 1) * CONTEXT_MEMORY
+    if avail is not None and need > avail:
+        raise LimitError("memory", (
+            f"{contexts} contexts do not fit in this host's memory: the {contexts - 1} ranks "
+            f"to spawn need about {need >> 20} MB ({CONTEXT_MEMORY >> 20} MB each on the mpi "
+            f"transport) and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); use "
+            f"at most {avail // CONTEXT_MEMORY + 1} contexts, or free memory"))
+
+
+def launcher(session):
+    """The launcher of this transport: ranks of this mpiexec job, or spawned ones.
+
+    Example:
+        >>> import macroflow as mf
+        >>> if available() is None:
+        ...     with mf.init(contexts=2, transport="mpi") as s:
+        ...         name = type(launcher(s)).__name__
+        ... else:
+        ...     name = "MpiLauncher"
+        >>> name
+        'MpiLauncher'
+    """
+    return MpiLauncher(session)
+
+
+def _launcher_base():
+    from ..launch import Launcher
+    return Launcher
+
+
+class MpiLauncher(_launcher_base()):  # type: ignore[misc]
+    """Contexts 1..N-1 as MPI ranks: those of this mpiexec job, or spawned ones.
+
+    Example:
+        >>> MpiLauncher.remote
+        True
+    """
+
+    def __init__(self, session) -> None:
+        super().__init__(session)
+        self.hosts: Dict[int, Tuple[str, int]] = {}
+        self.spawned = False
+        self.terminated: Set[int] = set()
+
+    def start(self, placement, spin_us: float):
+        global _world_done
+        from ..core import marshal
+        from ..core.context import Engine
+        s = self.session
+        MPI = mpi()
+        world = world_from_environment()
+        hosts = None
+        if world is not None and world[1] > 1:
+            if _world_done:
+                raise RuntimeError(
+                    "this mpiexec job's other ranks ended with its first computation: under "
+                    "mpiexec, run one computation per job (one mf.run, or one mf.init ... "
+                    "mf.shutdown)")
+            comm = MPI.COMM_WORLD.Dup()
+            if comm.Get_rank() != 0:
+                serve_world(comm)  # never returns
+            _world_done = True
+            marshal.snapshot_main()  # every rank ran the script up to here
+            release: List[Any] = []
+        else:
+            self.spawned = True
+            # spawned ranks are fresh interpreters: what this process's
+            # __main__ defines travels by value
+            marshal._main_snapshot = {}
+            inter, comm, hosts = spawn(s.size - 1, "macroflow.transport.mpi:_serve_spawned")
+            release = [comm, inter]
+        try:
+            if hosts is None:
+                hosts = hear_hellos(comm)
+            self.hosts = hosts
+            names = {0: socket.gethostname(), **{r: h for r, (h, _) in hosts.items()}}
+            table = os.environ.get(CONTEXTS_FILE)
+            if table and not self.spawned:
+                with open(table + ".new", "w") as f:
+                    for r, (h, pid) in sorted({0: (names[0], os.getpid()), **hosts}.items()):
+                        f.write(f"{r} {h} {pid}\n")
+                os.replace(table + ".new", table)  # whole, for whoever watches for it
+                # it watches the ranks' processes before any user code runs
+                # (a rank that died unwatched could not be named)
+                deadline = time.monotonic() + 5.0
+                while not os.path.exists(table + ".watched") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            handshake(comm, {"computation": s.computation, "placement": placement,
+                             "spin_us": spin_us, "hosts": names})
+            transport = MpiTransport(comm, spin_us, release=release,
+                                     wake=(s.computation, names))
+        except BaseException:
+            if not self.spawned:
+                comm.Abort(1)  # the other ranks wait for a setup that will never come
+            raise
+        eng = Engine(0, s.size, transport, placement, computation=s.computation)
+        self.engine = eng
+        eng.describe_lost = self.describe_lost
+        return eng
+
+    def describe_lost(self, peer: int) -> str:
+        host, pid = self.hosts.get(peer, ("?", 0))
+        return f"its rank left the computation (pid {pid} on {host})"
+
+    def wait(self, grace: float) -> None:
+        eng = self.engine
+        if eng is None:
+            return
+        t = eng.transport
+        deadline = time.monotonic() + grace
+        while any(p not in t.gone for p in range(1, t.size)) and time.monotonic() < deadline:
+            if not t._progress():
+                t._nap(NAP_MIN)
+        # then the processes of spawned ranks end (those of mpiexec's ranks
+        # end with the job: MPI ends in all of them together)
+        while self.spawned and time.monotonic() < deadline:
+            if not any(_alive(*self.hosts.get(p, ("", 0))) for p in range(1, t.size)
+                       if p in t.gone and _local(self.hosts.get(p, ("", 0))[0])):
+                break
+            t._progress()
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        eng = self.engine
+        if eng is None:
+            return
+        t = eng.transport
+
+        def left(p):
+            # a rank has left when it said goodbye; a spawned one when its process ended too
+            return p in t.gone and not (self.spawned and _alive(*self.hosts.get(p, ("", 0))))
+
+        stuck = [p for p in range(1, t.size) if p not in self.terminated and not left(p)]
+        if not stuck:
+            return
+        for p in stuck:
+            host, pid = self.hosts.get(p, ("", 0))
+            if _local(host) and pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)  # its handler leaves MPI in order
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            t._progress()  # their goodbyes
+            still = [p for p in stuck if not left(p)]
+            if not still:
+                self.terminated.update(stuck)
+                return
+            time.sleep(0.005)
+        names = ", ".join(f"{p} (pid {self.hosts.get(p, ('?', 0))[1]})" for p in still)
+        print(f"macroflow: contexts {names} did not stop; ending the MPI job (MPI_Abort), "
+              f"this process included", file=sys.stderr, flush=True)
+        t.comm.Abort(1)
+
+
+def _local(host: str) -> bool:
+    return host == socket.gethostname()
+
+
+def _alive(host: str, pid: int) -> bool:
+    """Whether the process ``pid`` of ``host`` still runs (True if it cannot be known)."""
+    if not _local(host) or not pid:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,435 @@
+"""The mpi protocol module: launch under mpiexec and by spawning, teardown, failures.
+
+The object-model suite runs on MPI through the conftest ``transport`` fixture
+and the conformance suite through transport_harness.build_mpi; here is what is
+MPI's own. Every test that starts ranks has a timeout; the ones under a real
+``mpiexec`` run it as a subprocess with a timeout of its own.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import macroflow as mf
+from macroflow.core.context import SYSTEM, current_engine
+from macroflow.launch import choose_transport
+from macroflow.transport import mpi as M
+
+from conftest import MPI_MISSING
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(MPI_MISSING is not None, reason=str(MPI_MISSING))]
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+@mf.persistent
+class Box:
+    def __init__(self):
+        self.items = []
+
+    def add(self, x):
+        self.items.append(x)
+        return len(self.items)
+
+    def get(self):
+        return self.items
+
+    def pid(self):
+        return os.getpid()
+
+    def echo(self, a):
+        return a
+
+    def nap_then(self, seconds, x):
+        time.sleep(seconds)
+        return x
+
+    def forever(self):
+        while True:
+            time.sleep(0.01)
+
+
+def _pid_of(ctx):
+    return current_engine().issue(SYSTEM, "pid", "pid", (), {}, ctx, pinned=True).result(30)
+
+
+def _gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- choosing the transport -------------------------------------------------------
+
+def test_transport_and_contexts_follow_mpiexec_when_started_by_it():
+    assert choose_transport(None, None, world=(0, 4)) == ("mpi", 4)
+    assert choose_transport("mpi", 4, world=(2, 4)) == ("mpi", 4)
+    assert choose_transport(None, None, world=(0, 1)) == ("local", os.cpu_count() or 1)
+    assert choose_transport("inproc", 2, world=None) == ("inproc", 2)
+    with pytest.raises(ValueError, match="contexts=3, but mpiexec started 4 ranks"):
+        choose_transport(None, 3, world=(0, 4))
+    with pytest.raises(ValueError, match="rank 1 of 4 started by mpiexec.*transport='local'"):
+        choose_transport("local", None, world=(1, 4))
+
+
+def test_mf_init_reads_the_launchers_environment(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(ValueError, match="contexts=2, but mpiexec started 4 ranks"):
+        mf.init(contexts=2)
+    with pytest.raises(ValueError, match="transport='inproc'"):
+        mf.run(lambda: 1, transport="inproc")
+
+
+def test_launcher_variables_that_are_not_numbers_are_ignored():
+    assert M.world_from_environment({"PMI_RANK": "x", "PMI_SIZE": "4"}) is None
+    assert M.world_from_environment({"PMI_RANK": "1", "PMI_SIZE": "2",
+                                     "OMPI_COMM_WORLD_RANK": "0"}) == (1, 2)
+
+
+# -- spawned ranks ------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_spawned_ranks_end_with_their_computation():
+    def main():
+        return [_pid_of(c) for c in range(mf.num_contexts())]
+
+    pids = mf.run(main, contexts=3, transport="mpi")
+    assert pids[0] == os.getpid() and len(set(pids)) == 3
+    # not our children (MPI's process manager started them): checked here
+    for pid in pids[1:]:
+        assert _gone(pid), f"spawned rank {pid} outlived its computation"
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_computes_at_teardown_is_stopped_and_gone():
+    def main():
+        b = Box.create(on=1)
+        pid = b.pid().result(30)
+        b.forever()
+        b.pid()  # queued behind it: never runs
+        return pid
+
+    t = time.monotonic()
+    pid = mf.run(main, contexts=2, transport="mpi")
+    assert time.monotonic() - t < 30
+    assert _gone(pid)
+
+
+@pytest.mark.timeout(120)
+def test_local_and_mpi_computations_alternate_in_one_process():
+    # MPI starts once per process and never again after it ends: it stays up
+    # between computations, and forked contexts of the local transport ignore it
+    def main():
+        return mf.gather([Box.create(on=c).add(c) for c in range(mf.num_contexts())])
+
+    for tr in ("mpi", "local", "mpi", "local"):
+        assert mf.run(main, contexts=3, transport=tr) == [1, 1, 1]
+
+
+@pytest.mark.timeout(90)
+def test_classes_of_main_travel_by_value_to_spawned_ranks(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import macroflow as mf
+
+        @mf.persistent
+        class Here:
+            def twice(self, x):
+                return 2 * x
+
+        def main():
+            return Here.create(on=1).twice(21).result(30)
+
+        print(mf.run(main, contexts=2, transport="mpi"))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["42"]
+
+
+@pytest.mark.timeout(90)
+def test_large_arrays_arrive_in_pooled_memory_and_are_sent_by_value():
+    def main():
+        b = Box.create(on=1)
+        arr = np.arange(2_000_000, dtype=np.float64)  # 16 MB
+        f = b.echo(arr)
+        arr[:] = -1  # after the call: the context got the values of the call's time
+        back = f.result(30)
+        same = []
+        for i in range(4):
+            a = b.echo(np.full(3 << 20, i, np.uint8)).result(30)
+            same.append(bool((a == i).all()))
+            del a  # its memory goes back to the pool
+        return back, same, mf.stats()
+
+    back, same, st = mf.run(main, contexts=2, transport="mpi")
+    assert np.array_equal(back, np.arange(2_000_000, dtype=np.float64))
+    assert same == [True] * 4
+    # received into pooled memory, not fresh memory each time, on both sides
+    assert st[0]["buffers_reused"] >= 2 and st[1]["buffers_reused"] >= 2
+
+
+@pytest.mark.timeout(90)
+def test_the_descriptor_becomes_readable_when_a_frame_comes_from_this_host():
+    with mf.init(contexts=2, transport="mpi"):
+        t = current_engine().transport
+        fd = t.fileno()
+        assert isinstance(fd, int)
+        b = Box.create(on=1)
+        b.pid().result(30)
+        t.waker.drain()
+        f = b.nap_then(0.2, "late")
+        f._engine.request_value(f)  # the value comes unasked for when it is ready
+        assert select.select([fd], [], [], 30)[0] == [fd]
+        assert f.result(30) == "late"
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_rank_sleeps():
+    # MPI has no descriptor to sleep on: a rank sleeps on its wake-up socket
+    # (peers on this host wake it); it does not poll while nothing comes
+    with mf.init(contexts=2, transport="mpi", spin_us=50):
+        b = Box.create(on=1)
+        pid = b.pid().result(30)
+        before = psutil.Process(pid).cpu_times()
+        time.sleep(1.0)
+        after = psutil.Process(pid).cpu_times()
+        busy = (after.user + after.system) - (before.user + before.system)
+    assert busy < 0.5, f"an idle rank used {busy:.2f} s of CPU in 1 s"
+
+
+# -- flow control, between spawned ranks (transport_harness drives them) ------------
+
+@pytest.mark.timeout(120)
+def test_a_flood_waits_for_its_reader_and_loses_nothing():
+    from transport_harness import build_mpi
+    e = build_mpi(2)
+    try:
+        r, s = e.ids
+        frames = [[b"h", bytes([i]) * (256 << 10)] for i in range(100)]  # 25 MB: 3 windows
+        w = e.background(s, lambda: [e.ends[s].send(r, p, i) for i, p in enumerate(frames)])
+        e.pump(lambda: w.done or e.backlogged(s, r), ends=[])
+        assert not w.done  # the window is full: the sender waits for its reader
+        e.pump(lambda: len(e.got[r]) == 100 and w.done)
+        w.result(timeout=10)
+        assert [load for _, _, load in e.got[r]] == list(range(100))
+        assert all(bytes(bufs[1]) == f[1] for (_, bufs, _), f in zip(e.got[r], frames))
+    finally:
+        e.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_flooding_each_other_both_finish():
+    from transport_harness import build_mpi
+    e = build_mpi(2)
+    try:
+        a, b = e.ids
+        n = 3 * M.WINDOW_MESSAGES  # while both send, neither reads but through its sends
+        wa = e.background(a, lambda: [e.ends[a].send(b, [b"a%d" % i], i) for i in range(n)])
+        wb = e.background(b, lambda: [e.ends[b].send(a, [b"b%d" % i], i) for i in range(n)])
+        # one that finishes first reads again (as a context would) when polled here
+        e.pump(lambda: wa.done and wb.done, timeout=90)
+        wa.result(timeout=10)
+        wb.result(timeout=10)
+        e.pump(lambda: len(e.got[a]) == n and len(e.got[b]) == n)
+        assert [bytes(bufs[0]) for _, bufs, _ in e.got[a]] == [b"b%d" % i for i in range(n)]
+        assert [bytes(bufs[0]) for _, bufs, _ in e.got[b]] == [b"a%d" % i for i in range(n)]
+    finally:
+        e.close()
+
+
+# -- under mpiexec --------------------------------------------------------------------
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _mpiexec(tmp_path, n, body, *args, timeout=90, cli=False):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    if cli:
+        cmd = [sys.executable, "-m", "macroflow", "run", "-n", str(n), "--transport", "mpi",
+               str(script), *args]
+    else:
+        cmd = [M._find_mpiexec(), "-n", str(n), sys.executable, str(script), *args]
+    # a session of its own: whatever happens, the test can end the whole job
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{out}\n{err}")
+    return p.returncode, out, err
+
+
+PROGRAM = """
+    import os
+    import macroflow as mf
+
+    @mf.regular
+    class Where:
+        def am_i(self, x):
+            return mf.context_id(), os.getpid()
+
+    def main():
+        w = Where()
+        return sorted(set(mf.gather([Where.create(on=c).am_i(c) for c in range(mf.num_contexts())])))
+
+    places = mf.run(main{args})
+    print("result", len(places), len({{p for _, p in places}}), mf.num_contexts() if False else "")
+    print("after mf.run on pid", os.getpid())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_runs_the_same_script_main_on_rank_0_once(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, PROGRAM.format(args=", contexts=3"))
+    assert code == 0, err
+    lines = out.split("\n")
+    assert [l.split()[:3] for l in lines if l.startswith("result")] == [["result", "3", "3"]]
+    assert len([l for l in lines if l.startswith("after mf.run")]) == 1  # not once per rank
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_with_contexts_left_out_uses_every_rank(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, PROGRAM.format(args=""))
+    assert code == 0, err
+    assert [l.split()[:3] for l in out.split("\n") if l.startswith("result")] == [["result", "2", "2"]]
+
+
+@pytest.mark.timeout(120)
+def test_mpiexec_with_the_wrong_number_of_contexts_is_a_clear_error(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, PROGRAM.format(args=", contexts=5"))
+    assert code != 0
+    assert "contexts=5, but mpiexec started 2 ranks" in err
+    assert err.count("Traceback") == 1  # printed once, not once per rank
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_error_in_main_ends_every_rank_printed_once(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import macroflow as mf
+
+        @mf.persistent
+        class Bad:
+            def boom(self):
+                raise ValueError("boom on a rank")
+
+        def main():
+            return Bad.create(on=2).boom().result(30)
+
+        mf.run(main)
+        print("never")
+    """)
+    assert code != 0
+    assert "never" not in out
+    assert err.count("ValueError: boom on a rank") == 2  # the remote traceback and main's, once
+    assert err.count("Traceback (most recent call last)") == 2
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_before_mf_run_ends_the_job_printed_once(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import os
+        import macroflow as mf
+        if os.environ["PMI_RANK"] == "1":
+            raise RuntimeError("rank 1 cannot start")
+        print(mf.run(lambda: 1))
+    """)
+    assert code != 0
+    assert err.count("RuntimeError: rank 1 cannot start") == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_ends_the_job(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import os, signal, sys
+        import macroflow as mf
+
+        @mf.persistent
+        class Victim:
+            def die(self):
+                print("victim pid", os.getpid(), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def main():
+            v = Victim.create(on=2)
+            v.die().result(60)
+
+        mf.run(main)
+        print("never")
+    """)
+    assert code != 0
+    assert "never" not in out
+    # MPI's process manager ends the job; it names a process of the job,
+    # not always the one that died (macroflow run names the context)
+    assert "BAD TERMINATION" in out
+
+
+@pytest.mark.timeout(120)
+def test_macroflow_run_names_the_context_killed_by_a_signal(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import os, signal
+        import macroflow as mf
+
+        @mf.persistent
+        class Victim:
+            def die(self):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def main():
+            Victim.create(on=2).die().result(60)
+    """, cli=True)
+    assert code != 0
+    line, = [l for l in err.splitlines() if l.startswith("macroflow:")]
+    assert "context 2" in line and "SIGKILL" in line, err
+    assert "context 0" not in line and "context 1" not in line
+
+
+@pytest.mark.timeout(120)
+def test_macroflow_run_with_the_mpi_transport_launches_mpiexec(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import os
+        import macroflow as mf
+
+        @mf.regular
+        class Pid:
+            def pid(self):
+                return os.getpid()
+
+        def main():
+            return len(set(mf.gather([Pid.create(on=c).pid() for c in range(3)]))), \\
+                os.environ.get("PMI_SIZE")
+    """, cli=True)
+    assert code == 0, err
+    assert out.strip().splitlines() == ["(3, '3')"]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_computation_under_mpiexec_is_refused_clearly(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, """
+        import macroflow as mf
+        print("first", mf.run(lambda: 1))
+        try:
+            mf.run(lambda: 2)
+        except RuntimeError as e:
+            print("refused:", e)
+    """)
+    assert code == 0, err
+    assert "first 1" in out and "refused: this mpiexec job's other ranks ended" in out
