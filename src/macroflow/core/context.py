@@ -1392,6 +1392,10 @@ class Engine:
         self.lost_queue.append(peer)
 
     def _on_lost(self, peer: int) -> None:
+        if peer in self.fatal and "internal error" not in self.lost[peer]:
+            # its FATAL was read in the same poll as its end, and dispatched since
+            self.lost[peer] = f"{self.lost[peer]} after an internal error of its engine:\n" \
+                              f"{self.fatal[peer]}"
         exc = errors.ContextLost(peer, self.lost[peer])
         for oid in self.unborn.pop(peer, ()):
             obj = self.objects.get(oid)

@@ -911,6 +911,12 @@ class LocalTransport(Transport):
     def _close(self, c: _Conn, how: str) -> None:
         if c.closed:
             return
+        if how.startswith("send failed") and c.peer >= 0:
+            # what the peer sent before it went (its last words: a FATAL) is
+            # still ours to read, and must arrive before it is reported lost
+            self._read(c)
+            if c.closed:
+                return
         c.closed = True
         c.outq.clear()
         try:
