@@ -353,6 +353,7 @@ class MpiTransport(Transport):
         self.closing = False  # in close(): frames that come are taken and dropped
         self.acked: Set[int] = set()  # peers that answered our goodbye
         self.leaving: List[int] = []  # the peers we said goodbye to
+        self.lingered_out = False  # close() gave up waiting for its peers
         # flow control, per peer: messages and bytes sent / credited back
         n = self.size
         self.sent_msgs = [0] * n
@@ -796,9 +797,14 @@ class MpiTransport(Transport):
         ``linger`` seconds; then cancel what is left and release the
         communicators."""
         deadline = time.monotonic() + linger
+        self.lingered_out = True
         try:
-            while (any(p not in self.acked for p in self.leaving) or self.inflight
-                   or self.unfinished) and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                self._reap()
+                if not (any(p not in self.acked for p in self.leaving) or self.inflight
+                        or self.unfinished):
+                    self.lingered_out = False
+                    break
                 if not self._progress() and not self._moved:
                     self._nap(NAP_MIN)
         except Exception:
