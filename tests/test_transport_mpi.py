@@ -112,6 +112,17 @@ def test_spawned_ranks_end_with_their_computation():
 
 
 @pytest.mark.timeout(90)
+def test_teardown_is_a_goodbye_answered_by_every_rank():
+    s = mf.init(contexts=3, transport="mpi")
+    t = current_engine().transport
+    mf.gather([Box.create(on=c).add(c) for c in range(3)])
+    s.close()
+    assert t.closed and not t.lingered_out  # every peer answered: no waiting it out
+    assert t.gone == {1, 2}  # both said goodbye (and were reported lost at no one)
+    assert s.launcher.terminated == set()  # none had to be asked to stop
+
+
+@pytest.mark.timeout(90)
 def test_a_rank_that_computes_at_teardown_is_stopped_and_gone():
     def main():
         b = Box.create(on=1)
@@ -120,9 +131,9 @@ def test_a_rank_that_computes_at_teardown_is_stopped_and_gone():
         b.pid()  # queued behind it: never runs
         return pid
 
-    t = time.monotonic()
-    pid = mf.run(main, contexts=2, transport="mpi")
-    assert time.monotonic() - t < 30
+    with mf.init(contexts=2, transport="mpi") as s:
+        pid = main()
+    assert s.launcher.terminated == {1}  # asked to stop (SIGTERM), and it left in order
     assert _gone(pid)
 
 
