@@ -196,16 +196,9 @@ def _serve(sock: socket.socket, child_main: Callable[..., None]) -> None:  # pra
             children[pid] = ctx
             sock.send(pickle.dumps(("pid", ctx, pid)))
     finally:
+        from .launch import _kill
         for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in list(children):
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+            _kill(pid)
 
 
 def _reap(sock: socket.socket, children: Dict[int, int]) -> None:  # pragma: no cover

@@ -425,15 +425,7 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                       file=out, flush=True)
     except KeyboardInterrupt:
         for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in list(pids):
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+            _launch._kill(pid)
         print("macroflow worker: interrupted; its contexts were stopped", file=out)
         return 130
     return code
