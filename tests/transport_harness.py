@@ -507,6 +507,9 @@ def build_mpi(n: int) -> Ends:
         >>> e is None or e.close()
     """
     group = _MpiGroup(n)
+    # reports_lost: an end that closes says goodbye, and its peers report it
+    # (what disappear() does here); MPI cannot report a rank that dies, whose
+    # process manager ends the whole job instead, so no test kills an end
     return Ends("mpi", {i: MpiEnd(group, i) for i in range(n)}, reports_lost=True,
                 has_fileno=False, backlog=_mpi_backlog)
 

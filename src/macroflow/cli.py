@@ -72,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problem is not None:
         args.parser.error(problem)
     if launch_mpiexec:
-        return run_under_mpiexec(args)
+        return _run_under_mpiexec(args)
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
     if not callable(main):
@@ -156,9 +156,12 @@ class FirstToEnd:
         try:
             while fds and not self.first and not self.done.is_set():
                 ready = select.select(list(fds), [], [], 0.05)[0]
-                # read how they ended at once: their parent reaps them soon
-                self.first = [(*fds[fd][:1], fds[fd][1], fds[fd][2], _exit_status(fds[fd][1]))
-                              for fd in sorted(ready, key=lambda fd: fds[fd][0])]
+                # read how and when they ended at once: their parent reaps them soon
+                ended = sorted((_last_ran(fds[fd][1]), fds[fd][0], fds[fd][1], fds[fd][2],
+                                _exit_status(fds[fd][1])) for fd in ready)
+                if len(ended) > 1 and ended[0][0] < ended[1][0]:
+                    ended = ended[:1]  # seen late, but this one ended first
+                self.first = [e[1:] for e in ended]
         finally:
             for fd in fds:
                 os.close(fd)
@@ -211,6 +214,19 @@ def mpiexec_report(output: str) -> Optional[tuple]:
     return int(m.group(1)), how
 
 
+def _last_ran(pid: int) -> float:
+    """When (scheduler clock, ms) process ``pid`` last ran: for one that has
+    just ended, when it ended; infinity if that cannot be read (reaped)."""
+    try:
+        with open(f"/proc/{pid}/sched") as f:
+            for line in f:
+                if line.startswith("se.exec_start"):
+                    return float(line.split(":")[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("inf")
+
+
 def _exit_status(pid: int) -> Optional[int]:
     """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
     try:
@@ -223,7 +239,7 @@ def _exit_status(pid: int) -> Optional[int]:
         return None
 
 
-def run_under_mpiexec(args: argparse.Namespace) -> int:
+def _run_under_mpiexec(args: argparse.Namespace) -> int:
     """Run the script once per rank of ``mpiexec -n N``; rank 0 runs its main.
 
     If MPI's process manager ends the job because a rank died of a signal,

@@ -5,8 +5,9 @@ Two ways to start, one transport:
 - under ``mpiexec -n N python script.py`` every rank runs the script; when it
   calls ``mf.run`` or ``mf.init`` (which pick this transport by themselves,
   see :func:`world_from_environment`), rank 0 becomes context 0 and runs main,
-  and ranks 1..N-1 serve until the computation ends, then leave the process
-  (so the code after ``mf.run`` runs once, on rank 0);
+  and ranks 1..N-1 serve until the computation ends, then end MPI and their
+  process (MPI's end waits for rank 0's), so the code after ``mf.run`` runs
+  once, on rank 0;
 - from a plain process, ``mf.init(contexts=N, transport="mpi")`` spawns N-1
   fresh interpreters with ``MPI_Comm_spawn`` (same ``sys.path`` and working
   directory) and merges them with this process into one communicator. They
@@ -20,8 +21,10 @@ are ours. A message of tag ``FRAME`` holds one or more records back to back:
 the buffers of at most :data:`INLINE` bytes. A larger buffer (a numpy array
 out of band) is a message of its own, of tag ``DATA``, sent straight from the
 sender's memory and received straight into a pooled numpy buffer: no pickle,
-no copy. A record whose number of buffers is ``CONTROL`` carries a credit, a
-goodbye or its acknowledgement instead of a frame.
+no copy (up to :data:`COPY_MAX` bytes, the sender sends a copy of its own, so
+that the send returns before the receiver takes it, as a socket's kernel
+buffer would let it). A record whose number of buffers is ``CONTROL``
+carries a credit, a goodbye or its answer instead of a frame.
 
 Order: MPI does not let messages of one tag between two ranks overtake each
 other, and a receiver posts the receives of a frame's large buffers in the
@@ -37,14 +40,18 @@ with large buffers returns from :meth:`MpiTransport.send` once MPI has them
 out of the sender's memory, so the caller may change its arrays at once
 (call-by-value).
 
-Waiting. MPI has no descriptor to sleep on (:meth:`MpiTransport.fileno` is
-None): a waiting rank polls (``Improbe``, 0.25 us when nothing came) for
-``spin_us``, then sleeps in short naps (:data:`NAP_MIN`, timer slack 1 us)
-between polls while it sent or received something in the last :data:`HOT`
-seconds, so that a burst of calls is served without the other rank's
-round trips waiting on its naps; after that the naps double up to
-:data:`NAP_MAX`. An idle rank thus wakes 1/NAP_MAX times a second; what
-that costs is in docs/guide.md (section MPI).
+Waiting. MPI has no descriptor to sleep on. A waiting rank polls
+(``Improbe``, under 1 us when nothing came) for ``spin_us``, yielding its
+core between looks, then sleeps in ``select`` on a datagram socket of its
+own (:class:`Waker`): a peer on the same host that sends it a frame also
+sends it one byte there. Woken, it looks for the frame a few times before it
+yields (MPI shows it a moment after the byte arrives). Peers on other hosts
+cannot wake it: then it sleeps in naps, :data:`NAP_MIN` (timer slack 1 us)
+while it was active in the last :data:`HOT` seconds, doubling up to
+:data:`NAP_MAX` after. An idle rank thus wakes 1/SLEEP_MAX times a second
+when every peer can wake it, 1/NAP_MAX when not; what that costs is in
+docs/guide.md (section MPI). :meth:`MpiTransport.fileno` is the socket when
+every peer can wake the rank, else None.
 
 Lost peers. A rank that leaves in order (its computation ended, or its
 engine failed) says goodbye, and its peers report it lost. MPI cannot report
@@ -964,7 +971,7 @@ def _hello_only(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
     _hello(comm)
 
 
-def hear_hellos(comm: Any) -> Dict[int, Tuple[str, int]]:
+def _hear_hellos(comm: Any) -> Dict[int, Tuple[str, int]]:
     """Context 0 under mpiexec: wait until every other rank has called mf.run
     or mf.init; returns {rank: (host, pid)}."""
     n = comm.Get_size()
@@ -975,7 +982,7 @@ def hear_hellos(comm: Any) -> Dict[int, Tuple[str, int]]:
     return {r: (h[1], h[2]) for r, h in hellos.items()}
 
 
-def handshake(comm: Any, setup: Dict[str, Any]) -> None:
+def _handshake(comm: Any, setup: Dict[str, Any]) -> None:
     """Context 0's side of starting a computation: send every rank ``setup``."""
     reqs = [comm.isend(setup, dest=r, tag=SETUP) for r in range(1, comm.Get_size())]
     for r in reqs:
@@ -1032,7 +1039,7 @@ def _serve_spawned(comm: Any) -> None:  # pragma: no cover - runs in a spawned r
     _serve(comm, spawned=True)
 
 
-def serve_world(comm: Any) -> None:  # pragma: no cover - runs in ranks 1..N-1 under mpiexec
+def _serve_world(comm: Any) -> None:  # pragma: no cover - runs in ranks 1..N-1 under mpiexec
     """Serve as one of ranks 1..N-1 of an mpiexec job, then end the process."""
     try:
         _serve(comm, spawned=False)
@@ -1082,6 +1089,9 @@ def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int
     except Exception:
         pass
     if started:
+        # mpiexec forwards our output through a pipe it stops reading when the
+        # job is aborted: give it a moment to pass the report on whole
+        time.sleep(0.2)
         _MPI.COMM_WORLD.Abort(1)
 
 
@@ -1204,7 +1214,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                     "mf.shutdown)")
             comm = MPI.COMM_WORLD.Dup()
             if comm.Get_rank() != 0:
-                serve_world(comm)  # never returns
+                _serve_world(comm)  # never returns
             _world_done = True
             marshal.snapshot_main()  # every rank ran the script up to here
             release: List[Any] = []
@@ -1217,7 +1227,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             release = [comm, inter]
         try:
             if hosts is None:
-                hosts = hear_hellos(comm)
+                hosts = _hear_hellos(comm)
             self.hosts = hosts
             names = {0: socket.gethostname(), **{r: h for r, (h, _) in hosts.items()}}
             table = os.environ.get(CONTEXTS_FILE)
@@ -1231,7 +1241,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 deadline = time.monotonic() + 5.0
                 while not os.path.exists(table + ".watched") and time.monotonic() < deadline:
                     time.sleep(0.001)
-            handshake(comm, {"computation": s.computation, "placement": placement,
+            _handshake(comm, {"computation": s.computation, "placement": placement,
                              "spin_us": spin_us, "hosts": names})
             transport = MpiTransport(comm, spin_us, release=release,
                                      wake=(s.computation, names))
