@@ -25,6 +25,7 @@ from .core.placement import Placement as Placement
 from .core.rsr import export as export
 from .core.rsr import rsr as rsr
 from .core.rsr import unexport as unexport
+from .core.threads import poll as poll
 from .launch import Session as Session
 from .launch import init as init
 from .launch import run as run

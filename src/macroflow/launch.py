@@ -168,6 +168,8 @@ class Session:
             self.launcher.stop()
             for e in self.launcher.engines():
                 e.closed = True
+                if e.service is not None:
+                    e.service.stop()
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:
@@ -505,6 +507,8 @@ def init(contexts: Optional[int] = None, transport: str = "local", placement: An
     if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     module = load_transport(transport)
+    from .core.threads import service_setting
+    service_setting()  # a bad MACROFLOW_SERVICE is refused before anything starts
     check = getattr(module, "check_room", None)
     if check is not None:
         check(contexts)  # before anything is started

@@ -21,6 +21,8 @@ FORWARD   send the value of fid, when known, to dest under label; the consumer
 RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
           how many consumers were given the future and may still ask
 RSR       remote service request: (op, gid, handler, args, thread)
+RSR_NOW   remote service request to run at once, even while a method computes
+          here: (op, gid, handler, args); see SERVED_WHILE_BUSY
 SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
 FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
@@ -31,6 +33,16 @@ PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
 ========  ==============================================================
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
+
+Service while user code runs: a method that computes for seconds does not
+hold its context's requests. The messages that need no user code (the
+opcodes of :data:`SERVED_WHILE_BUSY`: value requests and forwards, releases,
+at-once remote service requests) are served by the context's service
+mechanism (:mod:`macroflow.core.threads`) while the method runs; everything
+else waits in the inbox, in arrival order, for the engine's own loop.
+``Engine.user`` says when user code runs; the engine methods that user code
+calls (marked with ``_engine_code``) keep the service mechanism out while
+they run.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE = range(9)
+RSR_NOW = 9
 _encode = marshal._encoder.dumps
 
 # kinds of call targets
@@ -183,6 +196,32 @@ def _call_label(call: "Call") -> str:
 
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
+_get_ident = threading.get_ident
+
+
+def _engine_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an Engine method that user code calls (a method issuing a call,
+    waiting, answering): while it runs, the service mechanism, which may run
+    whenever user code does, stays out of the engine."""
+
+    def entry(self, *args, **kwargs):
+        if not self.user or self.serving == _get_ident():
+            return fn(self, *args, **kwargs)
+        svc = self.service
+        svc.leave()
+        try:
+            r = fn(self, *args, **kwargs)
+        except INTERRUPTS:
+            raise  # the method is being ended: it does not go back to user code
+        except BaseException:
+            svc.enter()
+            raise
+        svc.enter()
+        return r
+
+    entry.__name__, entry.__qualname__, entry.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    entry.__wrapped__ = fn  # type: ignore[attr-defined]
+    return entry
 
 
 def format_remote(exc: BaseException, ctx: int) -> str:
@@ -260,11 +299,24 @@ class Engine:
         self.stopping = False
         self.dispatching = False
         self.in_inline = False
+        # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
+        # while this context's thread runs user code, `epoch` counts the times
+        # it started to, `serving` is the thread serving now (0: none)
+        self.user = False
+        self.epoch = 0
+        self.serving = 0
+        self.service: Any = None
+        self.served_busy = 0  # messages served while user code ran
+        self._scanned: Any = None  # the last inbox entry the service looked at
+        self._in_serve = False
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
         self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost)
+            if transport.fileno() is not None:  # inproc: nothing runs while a method does
+                from .threads import start_service
+                self.service = start_service(self)
 
     # ------------------------------------------------------------------ sending
     def load(self) -> int:
@@ -317,6 +369,7 @@ class Engine:
     def new_fid(self):
         return (self.id, next(self.seq))
 
+    @_engine_code
     def issue(self, kind: str, target: Any, method: Optional[str], args: tuple, kwargs: dict,
               dest: int, site: Any = None, oid: Any = None, pinned: bool = False,
               fid: Any = None) -> Future:
@@ -390,6 +443,7 @@ class Engine:
         else:
             self.send(f._home, (FORWARD, f._fid, dest, label))
 
+    @_engine_code
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
         if f._engine.closed:
@@ -448,6 +502,7 @@ class Engine:
         return f
 
     # ------------------------------------------------------------------ waiting
+    @_engine_code
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
         if timeout is not None:
             timeout = check_timeout(timeout)
@@ -637,6 +692,10 @@ class Engine:
             self.fatal[src] = msg[1]
         elif op == PROBE:
             self._on_probe(msg[1], msg[2], msg[3])
+        else:
+            served = SERVED_WHILE_BUSY.get(op)
+            if served is not None:
+                served(self, src, msg)
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
@@ -864,7 +923,15 @@ class Engine:
             try:
                 args, kwargs = self._args(call)
                 inst = cls.__new__(cls)
-                inst.__init__(*args, **kwargs)
+                svc = self.service
+                if svc is None:
+                    inst.__init__(*args, **kwargs)
+                else:
+                    svc.enter()
+                    try:
+                        inst.__init__(*args, **kwargs)
+                    finally:
+                        svc.leave()
             except INTERRUPTS:
                 raise
             except BaseException as e:
@@ -947,9 +1014,19 @@ class Engine:
             return
         try:
             args, kwargs = self._args(call)
-            value = fn(*pre, *args, **kwargs)
-            if type(value) is CoroutineType:  # an async def method: run it here
-                value = run_coroutine(value)
+            svc = self.service
+            if svc is None:
+                value = fn(*pre, *args, **kwargs)
+                if type(value) is CoroutineType:  # an async def method: run it here
+                    value = run_coroutine(value)
+            else:
+                svc.enter()  # the method's own code: the context serves meanwhile
+                try:
+                    value = fn(*pre, *args, **kwargs)
+                    if type(value) is CoroutineType:
+                        value = run_coroutine(value)
+                finally:
+                    svc.leave()
         except INTERRUPTS:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
@@ -1010,6 +1087,7 @@ class Engine:
         else:  # the common small value: one buffer, the transport's fast path
             self.send_frame(dest, [head + data])
 
+    @_engine_code
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
         if call.answered:
@@ -1207,11 +1285,7 @@ class Engine:
         _, gid, handler, args, thread = msg
         target = self.resolve(gid)
         if target is _MISSING:
-            self.stats.rsr_dropped += 1
-            name = getattr(handler, "__qualname__", repr(handler))
-            print(f"macroflow: context {self.id}: remote service request {name} for "
-                  f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
-                  f"or its object destroyed)", file=sys.stderr)
+            self._rsr_dropped(gid, handler)
             return
         if thread == "inline":
             self.in_inline = True
@@ -1232,6 +1306,104 @@ class Engine:
             obj = self.objects.get(gid[1])
             if obj is not None:
                 self._pump(obj)  # the handler may have changed what the guards see
+
+    def _rsr_dropped(self, gid, handler) -> None:
+        self.stats.rsr_dropped += 1
+        name = getattr(handler, "__qualname__", repr(handler))
+        print(f"macroflow: context {self.id}: remote service request {name} for "
+              f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
+              f"or its object destroyed)", file=sys.stderr)
+
+    def _on_rsr_now(self, src: int, msg: tuple) -> None:
+        # run as it arrives, by the engine or by the service mechanism while a
+        # method computes: like an interrupt, it must not wait
+        _, gid, handler, args = msg
+        target = self.resolve(gid)
+        if target is _MISSING:
+            self._rsr_dropped(gid, handler)
+            return
+        inline, self.in_inline = self.in_inline, True
+        try:
+            handler(target, *args)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            self.in_inline = inline
+        self.stats.rsr_executed += 1
+        if gid[0] == "object":
+            obj = self.objects.get(gid[1])
+            if obj is None:
+                return
+            if self.serving:
+                # the handler may have changed what the guards see, but no
+                # method may start from here: the engine's loop looks again
+                data, bufs = marshal.dumps((RSR, gid, _nothing, (), "inline"))
+                self.inbox.append((self.id, [data, *bufs], self.load()))
+            else:
+                self._pump(obj)
+
+    # ------------------------------------------------------------------ service while busy
+    @_engine_code
+    def post(self, dest: int, header: tuple) -> None:
+        """Send one message on behalf of user code (a remote service request)."""
+        self.send(dest, header)
+
+    @_engine_code
+    def poll(self) -> int:
+        """Serve the messages that have arrived and need no user code (see
+        SERVED_WHILE_BUSY); the others stay queued. Returns how many were served."""
+        return self.serve_arrived()
+
+    def serve_arrived(self) -> int:
+        """Take what the transport has received; serve, in arrival order, the
+        messages that need no user code, and leave the others in the inbox in
+        their order. The caller keeps the engine's own loop out meanwhile
+        (it runs in user code's stead, or the engine is in user code)."""
+        if self._in_serve:
+            return 0  # mf.poll() from an at-once handler
+        self._in_serve = True
+        inbox = self.inbox
+        try:
+            if self.transport is not None:
+                self.transport.poll(0)
+            # only entries not looked at before: a long computation may have
+            # thousands of calls queued behind it
+            seen = self._scanned
+            fresh = []
+            while inbox and inbox[-1] is not seen:
+                fresh.append(inbox.pop())
+            served = 0
+            while fresh:
+                entry = fresh.pop()
+                if self._serve_one(entry):
+                    served += 1
+                else:
+                    inbox.append(entry)
+            self._scanned = inbox[-1] if inbox else None
+            self.served_busy += served
+            if self.transport is not None:
+                # also what the engine queued before the method started: its
+                # batch ends when the method does
+                self.transport.flush()
+            return served
+        finally:
+            self._in_serve = False
+
+    def _serve_one(self, entry) -> bool:
+        src, bufs, load = entry
+        b0 = bufs[0]
+        served = SERVED_WHILE_BUSY.get(_peek_op(b0))
+        if served is None:
+            return False
+        self.loads[src] = load
+        try:
+            msg = marshal.loads(b0, bufs[1:])
+        except Exception as e:
+            print(f"macroflow: context {self.id} could not decode a message from "
+                  f"context {src}: {e!r}", file=sys.stderr)
+            return True
+        served(self, src, msg)
+        return True
 
     def resolve(self, gid) -> Any:
         kind, ident = gid
@@ -1441,6 +1613,7 @@ class Engine:
     def snapshot(self) -> Dict[str, Any]:
         d = self.stats.as_dict()
         d.update(objects=len(self.objects), values_held=len(self.slots),
+                 served_while_busy=self.served_busy,
                  tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
                  load=self.load(), pid=os.getpid())
         pool = getattr(self.transport, "pool", None)
@@ -1484,6 +1657,56 @@ def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
     flat = array.array("q")
     flat.frombytes(data)
     return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
+def _nothing(target) -> None:
+    """An inline remote service request that does nothing: queued so that the
+    engine's loop looks at an object's guards again."""
+
+
+def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_forward(msg[1], msg[2], msg[3])
+
+
+def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_release(_unpack_release(msg[1]))
+
+
+#: The messages a context serves even while user code runs there, by opcode:
+#: handler(engine, src, msg). A handler must not run user code that may wait,
+#: switch lightweight threads or start a method; it may run in the service
+#: thread (see macroflow.core.threads). The engine's own loop dispatches these
+#: opcodes to the same handlers. One-sided operations on registered memory
+#: register here.
+SERVED_WHILE_BUSY: Dict[int, Callable[[Engine, int, tuple], None]] = {
+    FORWARD: _serve_forward,
+    RELEASE: _serve_release,
+    RSR_NOW: Engine._on_rsr_now,
+}
+
+_PROTO, _FRAME, _MARK, _BININT1 = 0x80, 0x95, 0x28, 0x4B
+
+
+def _peek_op(b0) -> int:
+    """The opcode of a message from its first buffer, without unpickling it
+    (-1 if it is not a pickled header that starts with a small int).
+
+    Example:
+        >>> _peek_op(marshal.dumps((FORWARD, (0, 1), 2, ((0, 1), None)))[0]) == FORWARD
+        True
+        >>> _peek_op(marshal.dumps((SHUTDOWN,))[0]) == SHUTDOWN, _peek_op(b"V...")
+        (True, -1)
+    """
+    if len(b0) < 4 or b0[0] != _PROTO:
+        return -1
+    i = 2
+    if b0[i] == _FRAME:
+        i += 9
+    if i < len(b0) and b0[i] == _MARK:
+        i += 1
+    if i + 1 < len(b0) and b0[i] == _BININT1:
+        return b0[i + 1]
+    return -1
 
 
 _GONE = ("destroyed", "missing")
@@ -1737,8 +1960,10 @@ def current_engine() -> Engine:
         if eng is None:
             raise RuntimeError("macroflow is not running: use mf.run(main, contexts=N) "
                                "or 'with mf.init(contexts=N):'")
-        if threading.get_ident() != eng.thread:
-            # one thread runs a context's engine: another would corrupt it
+        me = threading.get_ident()
+        if me != eng.thread and me != eng.serving:
+            # one thread runs a context's engine (and the service thread for
+            # the requests it serves while a method computes): another would corrupt it
             raise RuntimeError("macroflow was called from a thread other than the one "
                                "that started the computation; call it from that thread")
     return eng
