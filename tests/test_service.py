@@ -210,13 +210,16 @@ def test_releases_and_now_requests_are_served_while_busy(gate):
 
 
 @pytest.mark.timeout(60)
-def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(gate):
+@pytest.mark.parametrize("mechanism,kind", [("thread+timer", "python"), ("poll", "poll")])
+def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(
+        monkeypatch, gate, mechanism, kind):
+    monkeypatch.setenv("MACROFLOW_SERVICE", mechanism)  # poll: served by the method's mf.poll()
     r, open_gate = gate
 
     def main():
         h, b = Holder.create(on=1), Busy.create(on=1)
         waiting = h.when_ready()  # queued: its guard does not hold
-        busy = b.compute("python", r)
+        busy = b.compute(kind, r)
         box = []
         mf.rsr(mf.info(h).gptr, set_ready, thread="now")
         mf.rsr(mf.info(h).gptr, count_values, mf.export(box), thread="now")
@@ -225,6 +228,32 @@ def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(gat
         return busy.result(timeout=30), waiting.result(timeout=30)
 
     assert mf.run(main, contexts=2, transport="local") == ("ended", "ready")
+
+
+def try_to_wait(target, future, reply):
+    try:
+        future.result()
+        outcome = "waited"
+    except mf.DeadlockError as e:
+        outcome = str(e)
+    mf.rsr(reply, put, outcome, thread="now")
+
+
+@pytest.mark.timeout(60)
+def test_a_now_request_cannot_wait(gate):
+    r, open_gate = gate
+
+    def main():
+        h, b = Holder.create(on=1), Busy.create(on=1)
+        busy = b.compute("python", r)
+        box = []
+        mf.rsr(mf.info(h).gptr, try_to_wait, busy, mf.export(box), thread="now")
+        wait_for(box)
+        open_gate()
+        return box[0], busy.result(timeout=30)
+
+    outcome, ended = mf.run(main, contexts=2, transport="local")
+    assert ended == "ended" and "cannot wait" in outcome and "thread='new'" in outcome
 
 
 def test_now_requests_run_in_order_with_calls(run):

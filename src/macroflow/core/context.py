@@ -41,8 +41,7 @@ at-once remote service requests) are served by the context's service
 mechanism (:mod:`macroflow.core.threads`) while the method runs; everything
 else waits in the inbox, in arrival order, for the engine's own loop.
 ``Engine.user`` says when user code runs; the engine methods that user code
-calls (marked with ``_engine_code``) keep the service mechanism out while
-they run.
+calls (see ``Engine._from_user``) keep the service mechanism out while they run.
 """
 
 from __future__ import annotations
@@ -199,31 +198,6 @@ _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
 _get_ident = threading.get_ident
 
 
-def _engine_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an Engine method that user code calls (a method issuing a call,
-    waiting, answering): while it runs, the service mechanism, which may run
-    whenever user code does, stays out of the engine."""
-
-    def entry(self, *args, **kwargs):
-        if not self.user or self.serving == _get_ident():
-            return fn(self, *args, **kwargs)
-        svc = self.service
-        svc.leave()
-        try:
-            r = fn(self, *args, **kwargs)
-        except INTERRUPTS:
-            raise  # the method is being ended: it does not go back to user code
-        except BaseException:
-            svc.enter()
-            raise
-        svc.enter()
-        return r
-
-    entry.__name__, entry.__qualname__, entry.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    entry.__wrapped__ = fn  # type: ignore[attr-defined]
-    return entry
-
-
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
     tb = exc.__traceback__
@@ -369,11 +343,13 @@ class Engine:
     def new_fid(self):
         return (self.id, next(self.seq))
 
-    @_engine_code
     def issue(self, kind: str, target: Any, method: Optional[str], args: tuple, kwargs: dict,
               dest: int, site: Any = None, oid: Any = None, pinned: bool = False,
               fid: Any = None) -> Future:
         """Send a call to ``dest`` and return its future at once."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.issue, kind, target, method, args, kwargs, dest, site,
+                                   oid, pinned, fid)
         if fid is None:
             fid = (self.id, next(self.seq))
         arcs = None
@@ -443,12 +419,17 @@ class Engine:
         else:
             self.send(f._home, (FORWARD, f._fid, dest, label))
 
-    @_engine_code
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.request_value, f)
         if f._engine.closed:
             raise stale_future(f)
         if threading.get_ident() != self.thread:
+            if threading.get_ident() == self.serving:
+                raise errors.DeadlockError(
+                    "a remote service request handler run inline or at once cannot wait; "
+                    "use thread='new'")
             raise RuntimeError("a macroflow future was used from a thread other than the one "
                                "that started the computation; use it from that thread")
         if f._asked or f._state == FINISHED:
@@ -502,13 +483,19 @@ class Engine:
         return f
 
     # ------------------------------------------------------------------ waiting
-    @_engine_code
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
             timeout = check_timeout(timeout)
         self.request_value(f)
         if f._state == FINISHED:
             return
+        if self.in_inline:
+            # before the worker's case: an at-once handler may run on top of a method
+            raise errors.DeadlockError(
+                "a remote service request handler run inline or at once cannot wait; "
+                "use thread='new'")
         w = getcurrent()
         if isinstance(w, Worker):
             call = w.call
@@ -543,9 +530,6 @@ class Engine:
                     pass
                 raise r
             return
-        if self.in_inline:
-            raise errors.DeadlockError(
-                "an inline remote service request handler cannot wait; use thread='new'")
         if timeout is None and self.driver is self:
             step = self.step
             while f._state != FINISHED:  # the common wait, without a predicate call per step
@@ -1087,9 +1071,10 @@ class Engine:
         else:  # the common small value: one buffer, the transport's fast path
             self.send_frame(dest, [head + data])
 
-    @_engine_code
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.answer, call, value)
         if call.answered:
             raise RuntimeError("rtf() was already called in this method")
         self._finish(call, True, value, keep_running=True)
@@ -1334,24 +1319,44 @@ class Engine:
             obj = self.objects.get(gid[1])
             if obj is None:
                 return
-            if self.serving:
+            if self._in_serve:
                 # the handler may have changed what the guards see, but no
-                # method may start from here: the engine's loop looks again
+                # method may start from here (a method computes, or called
+                # mf.poll()): the engine's loop looks again
                 data, bufs = marshal.dumps((RSR, gid, _nothing, (), "inline"))
                 self.inbox.append((self.id, [data, *bufs], self.load()))
             else:
                 self._pump(obj)
 
     # ------------------------------------------------------------------ service while busy
-    @_engine_code
+    def _from_user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the engine method ``fn`` for user code (a method issuing a call,
+        waiting, answering): while it runs, the service mechanism, which may
+        run whenever user code does, stays out of the engine. The methods that
+        user code calls start with ``if self.user and self.serving != _get_ident()``."""
+        svc = self.service
+        svc.leave()
+        try:
+            r = fn(*args)
+        except INTERRUPTS:
+            raise  # the method is being ended: it does not go back to user code
+        except BaseException:
+            svc.enter()
+            raise
+        svc.enter()
+        return r
+
     def post(self, dest: int, header: tuple) -> None:
         """Send one message on behalf of user code (a remote service request)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.post, dest, header)
         self.send(dest, header)
 
-    @_engine_code
     def poll(self) -> int:
         """Serve the messages that have arrived and need no user code (see
         SERVED_WHILE_BUSY); the others stay queued. Returns how many were served."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.poll)
         return self.serve_arrived()
 
     def serve_arrived(self) -> int:

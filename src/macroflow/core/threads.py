@@ -151,7 +151,6 @@ class Pool:
             self.free.append(w)
 
 
-
 # -------------------------------------------------------------------- service
 SERVICES = ("thread+timer", "thread", "timer", "poll")
 DEFAULT_SERVICE = "thread+timer"
@@ -338,7 +337,8 @@ class ServiceTimer(Service):
         self.ticker = Ticker(self, period)
 
     def enter(self) -> None:
-        self.ticker.arm()
+        if not self.ticker.armed:
+            self.ticker.arm()
         eng = self.engine
         eng.epoch += 1
         eng.user = True
@@ -422,8 +422,9 @@ class ServiceThread(Service):
         self.thread.start()
 
     def enter(self) -> None:
-        if self.ticker is not None:
-            self.ticker.arm()
+        ticker = self.ticker
+        if ticker is not None and not ticker.armed:
+            ticker.arm()
         eng = self.engine
         eng.epoch += 1
         eng.user = True
@@ -431,8 +432,9 @@ class ServiceThread(Service):
     def leave(self) -> None:
         # first: neither the thread nor the ticker starts serving from here on
         self.engine.user = False
-        with self.lock:  # then wait out a serve in progress
-            pass
+        lock = self.lock
+        lock.acquire()  # then wait out a serve in progress
+        lock.release()
 
     def _run(self) -> None:
         eng = self.engine
