@@ -23,7 +23,7 @@ import pytest
 import macroflow as mf
 from macroflow.core import context as core
 
-MECHANISMS = ["thread+timer", "thread", "timer"]
+MECHANISMS = ["signal", "thread", "timer"]
 ENDED = []  # set in context 1 when a busy method ends
 
 
@@ -210,7 +210,7 @@ def test_releases_and_now_requests_are_served_while_busy(gate):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mechanism,kind", [("thread+timer", "python"), ("poll", "poll")])
+@pytest.mark.parametrize("mechanism,kind", [("signal", "python"), ("poll", "poll")])
 def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(
         monkeypatch, gate, mechanism, kind):
     monkeypatch.setenv("MACROFLOW_SERVICE", mechanism)  # poll: served by the method's mf.poll()
@@ -428,12 +428,12 @@ except KeyboardInterrupt:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_interrupts_context_0_where_the_timer_serves_too():
-    # a fresh interpreter: its SIGALRM is free, so context 0 runs the timer too
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MACROFLOW_SERVICE="thread+timer")
+def test_ctrl_c_interrupts_context_0_where_signals_serve_too():
+    # a fresh interpreter: context 0 takes SIGIO, and is interrupted to serve
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MACROFLOW_SERVICE="signal")
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True,
                          text=True, timeout=100, env=env)
-    assert out.stdout.split("\n")[:2] == ["ServiceThread thread+timer", "interrupted"], out.stderr
+    assert out.stdout.split("\n")[:2] == ["ServiceSignal signal", "interrupted"], out.stderr
 
 
 @pytest.mark.timeout(60)
@@ -517,10 +517,11 @@ def test_mf_poll_is_a_quick_look_when_nothing_is_pending(run):
 def test_a_bad_service_setting_is_refused_before_anything_starts(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SERVICE", "pigeon")
     with pytest.raises(ValueError, match="MACROFLOW_SERVICE environment variable must be one of "
-                                         "thread\\+timer, thread, timer, poll; got 'pigeon'"):
+                                         "signal, thread, timer, poll; got 'pigeon'"):
         mf.init(contexts=2)
 
 
 def test_the_inproc_transport_needs_no_service():
     with mf.init(contexts=2, transport="inproc"):
         assert core.current_engine().service is None
+

@@ -281,6 +281,7 @@ class Engine:
         self.serving = 0
         self.service: Any = None
         self.served_busy = 0  # messages served while user code ran
+        self.service_cpu = 0.0  # CPU seconds the service mechanism spent serving
         self._scanned: Any = None  # the last inbox entry the service looked at
         self._in_serve = False
         self.stats = Counters()
