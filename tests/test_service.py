@@ -525,3 +525,36 @@ def test_the_inproc_transport_needs_no_service():
     with mf.init(contexts=2, transport="inproc"):
         assert core.current_engine().service is None
 
+
+# -- the benchmark ---------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_quick_service_bench_writes_every_figure(tmp_path, capsys):
+    import json
+
+    import macroflow.bench as bench
+    from macroflow.bench import service
+
+    out = tmp_path / "service.json"
+    assert bench.main("service", json_path=str(out), quick=True) == 0
+    printed = capsys.readouterr().out
+    for title in ("Service latency", "Computation slowed", "Cost of serving", "Null call", "Bars"):
+        assert title in printed
+    res = json.loads(out.read_text())
+    for m in service.MECHANISMS:
+        for k in service.KINDS:
+            assert res["latency_ms"][m][k] > 0, (m, k)
+        assert res["null_call_us"][m] > 0
+        for k in ("python", "numpy"):
+            assert m == service.REFERENCE or res["cost"][m][k]["requests"] > 0, (m, k)
+            for label in ("quiet", "quiet_cpu", "requests", "requests_cpu"):
+                assert m == service.REFERENCE and label.startswith("requests") or \
+                    isinstance(res["slowdown"][m][k][label], float), (m, k, label)
+    # with a mechanism, the requests were served while the method ran (the
+    # last one may come as it ends); without, the first waited for its end
+    for r in res["runs"]:
+        if r["requests"] and r["mechanism"] != service.REFERENCE:
+            assert r["served_while_busy"] >= r["n_requests"] - 1 > 0, r
+        elif r["requests"]:
+            assert r["n_requests"] == 1 and r["served_while_busy"] == 0, r
+    assert [b["pass"] for b in res["bars"]] == [
+        b["value"] is not None and b["value"] < b["limit"] for b in res["bars"]]

@@ -3,6 +3,7 @@
   baselines  hand-coded socketpair ping-pong, bandwidth and fork start-up (no macroflow)
   micro      Mentat's Table I and II for macroflow, METG(50%), and the performance bars
   peers      the same operations on macroflow, Ray, Dask, ProcessPoolExecutor and mpi4py
+  service    how fast a context serves while a method computes, and what that costs it
 
 ``macroflow bench SUITE [--quick] [--json FILE]`` runs :func:`main`.
 """
@@ -13,7 +14,7 @@ import os
 import sys
 from typing import Optional
 
-SUITES = ("micro", "peers", "baselines")
+SUITES = ("micro", "peers", "baselines", "service")
 
 
 def json_problem(path: str) -> Optional[str]:
@@ -47,8 +48,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
 
     Args:
         suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
-            Ray, Dask, ProcessPoolExecutor and mpi4py) or "baselines" (hand-coded only).
-        json_path: also write every figure of the micro or peers suite to this
+            Ray, Dask, ProcessPoolExecutor and mpi4py), "baselines" (hand-coded only)
+            or "service" (service while a method computes).
+        json_path: also write every figure of the micro, peers or service suite to this
             file; one that cannot be written is refused (2) before anything runs.
         quick: far fewer iterations (a smoke run of well under a minute).
         peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
@@ -76,6 +78,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     if suite == "micro":
         from . import micro
         return micro.main(json_path=json_path, quick=quick)
+    if suite == "service":
+        from . import service
+        return service.main(json_path=json_path, quick=quick)
     if suite == "baselines":
         from . import baselines
         baselines.main()
