@@ -4,6 +4,9 @@ The busy methods here compute until a gate (a pipe made before the contexts
 are forked) is opened, and the test opens it only after what it checks has
 happened: had the context not served while busy, the check would wait for
 a method that never ends, and fail on its timeout. Nothing depends on timing.
+
+Most tests run on the ``local`` transport only: with ``inproc`` every context
+shares one thread, so nothing can ask a context anything while it computes.
 """
 
 import gc
@@ -294,6 +297,32 @@ def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
     finally:
         os.close(seen_r)
         os.close(seen_w)
+
+
+@mf.persistent
+class TakesSigio:
+    def compute(self, gate):
+        got = []
+        signal.signal(signal.SIGIO, lambda *a: got.append(1))
+        while not gate_open(gate):
+            sum(range(2000))
+        return "ended"
+
+
+@pytest.mark.timeout(60)
+def test_a_method_that_takes_sigio_is_still_served(gate):
+    r, open_gate = gate
+
+    def main():
+        h, b = Holder.create(on=1), TakesSigio.create(on=1)
+        lazy(h)
+        f = h.value(11)
+        busy = b.compute(r)
+        got = f.result(timeout=30)  # by the watcher thread, which serves every 50 ms
+        open_gate()
+        return got, busy.result(timeout=30)
+
+    assert mf.run(main, contexts=2, transport="local") == (11, "ended")
 
 
 # -- what stays queued -------------------------------------------------------------

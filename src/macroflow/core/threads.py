@@ -388,7 +388,7 @@ class ServiceSignal(Service):
 
     Example:
         >>> class Transport:
-        ...     def signal_arrivals(self, on): return True
+        ...     def signal_arrivals(self, on, again=False): return True
         >>> class Eng:
         ...     id, user, epoch, serving, closed, transport = 1, False, 0, 0, False, Transport()
         ...     service_cpu = 0.0
@@ -435,7 +435,12 @@ class ServiceSignal(Service):
             return  # the computation ended, or a forked child
         eng = self.engine
         if not eng.user:
-            return  # the engine's own code runs: it serves itself
+            # the engine's own code runs: it serves itself. A signal while
+            # none are asked for comes from a connection made as they were
+            # turned off: turn them off again, there too
+            if not self.signalling:
+                eng.transport.signal_arrivals(False, again=True)
+            return
         self.signals += 1
         self.handling = True
         try:
@@ -473,6 +478,8 @@ class ServiceSignal(Service):
                         if eng.user and not self.stopped:
                             if not self.signalling:
                                 self._signals(True)
+                            elif signal.getsignal(signal.SIGIO) is not self.handler:
+                                self._signals(False)  # user code took SIGIO: theirs now
                             self.serve()  # what came before, and what no signal could reach
                     finally:
                         self.busy = False

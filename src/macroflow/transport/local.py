@@ -432,11 +432,13 @@ class LocalTransport(Transport):
     def fileno(self) -> int:
         return self.ep.fileno()
 
-    def signal_arrivals(self, on: bool) -> bool:
+    def signal_arrivals(self, on: bool, again: bool = False) -> bool:
         """While ``on``, the kernel sends this process SIGIO whenever bytes or a
         connection arrive (O_ASYNC on every socket, new ones included), so a
         context whose thread runs user code can be interrupted to serve. The
         caller installs a SIGIO handler first: SIGIO's default ends the process.
+        ``again`` sets every socket even if the state does not change (a
+        connection made while it changed may have missed it).
 
         Example:
             >>> import signal, socket
@@ -452,7 +454,7 @@ class LocalTransport(Transport):
             ['SIGIO']
             >>> _ = signal.signal(signal.SIGIO, old); t.close(); a.close()
         """
-        if on != self.signalling:
+        if on != self.signalling or again:
             self.signalling = on
             fds = list(self.byfd)
             if self.lfd >= 0:
