@@ -26,6 +26,7 @@ from .core.rsr import export as export
 from .core.rsr import rsr as rsr
 from .core.rsr import unexport as unexport
 from .launch import ContextInfo as ContextInfo
+from .core.threads import poll as poll
 from .launch import Session as Session
 from .launch import add_contexts as add_contexts
 from .launch import contexts as contexts

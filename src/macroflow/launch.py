@@ -171,6 +171,8 @@ class Session:
             self.launcher.stop()
             for e in self.launcher.engines():
                 e.closed = True
+                if e.service is not None:
+                    e.service.stop()
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:
@@ -876,6 +878,8 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         raise ValueError(f"contexts must be a positive int; got {contexts!r}")
     transport, contexts = choose_transport(transport, contexts)
     module = load_transport(transport)
+    from .core.threads import service_setting
+    service_setting()  # a bad MACROFLOW_SERVICE is refused before anything starts
     check = getattr(module, "check_room", None)
     make_launcher = None
     if listen is not None:

@@ -5,6 +5,7 @@
   peers      the same operations on macroflow, Ray, Dask, ProcessPoolExecutor and mpi4py
   nexus      Nexus's Figure 3: RSR round trip against message size, inline and new
              thread, next to hand-coded sockets and mpi4py, per transport
+  service    how fast a context serves while a method computes, and what that costs it
 
 ``macroflow bench SUITE [--quick] [--json FILE]`` runs :func:`main`.
 """
@@ -15,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-SUITES = ("micro", "peers", "nexus", "baselines")
+SUITES = ("micro", "peers", "nexus", "baselines", "service")
 
 
 def json_problem(path: str) -> Optional[str]:
@@ -50,9 +51,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     Args:
         suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
             Ray, Dask, ProcessPoolExecutor and mpi4py), "nexus" (Nexus's Figure 3:
-            round trip against message size per transport) or "baselines"
-            (hand-coded only).
-        json_path: also write every figure of the micro, peers or nexus suite to this
+            round trip against message size per transport), "baselines"
+            (hand-coded only) or "service" (service while a method computes).
+        json_path: also write every figure of the micro, peers, nexus or service suite to this
             file; one that cannot be written is refused (2) before anything runs.
         quick: far fewer iterations (a smoke run of well under a minute).
         peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
@@ -83,6 +84,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     if suite == "micro":
         from . import micro
         return micro.main(json_path=json_path, quick=quick)
+    if suite == "service":
+        from . import service
+        return service.main(json_path=json_path, quick=quick)
     if suite == "baselines":
         from . import baselines
         baselines.main()

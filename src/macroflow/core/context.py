@@ -21,6 +21,8 @@ FORWARD   send the value of fid, when known, to dest under label; the consumer
 RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
           how many consumers were given the future and may still ask
 RSR       remote service request: (op, gid, handler, args, thread)
+RSR_NOW   remote service request to run at once, even while a method computes
+          here: (op, gid, handler, args); see SERVED_WHILE_BUSY
 SHUTDOWN  leave the progress loop
 READY     an eagerly routed value is too large to send unasked: ask for it
 FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
@@ -31,6 +33,15 @@ PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
 ========  ==============================================================
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
+
+Service while user code runs: a method that computes for seconds does not
+hold its context's requests. The messages that need no user code (the
+opcodes of :data:`SERVED_WHILE_BUSY`: value requests and forwards, releases,
+at-once remote service requests) are served by the context's service
+mechanism (:mod:`macroflow.core.threads`) while the method runs; everything
+else waits in the inbox, in arrival order, for the engine's own loop.
+``Engine.user`` says when user code runs; the engine methods that user code
+calls (see ``Engine._from_user``) keep the service mechanism out while they run.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
+RSR_NOW = 11
 _encode = marshal._encoder.dumps
 
 # kinds of call targets
@@ -183,6 +195,7 @@ def _call_label(call: "Call") -> str:
 
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
+_get_ident = threading.get_ident
 
 
 def format_remote(exc: BaseException, ctx: int) -> str:
@@ -263,11 +276,25 @@ class Engine:
         self.stopping = False
         self.dispatching = False
         self.in_inline = False
+        # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
+        # while this context's thread runs user code, `epoch` counts the times
+        # it started to, `serving` is the thread serving now (0: none)
+        self.user = False
+        self.epoch = 0
+        self.serving = 0
+        self.service: Any = None
+        self.served_busy = 0  # messages served while user code ran
+        self.service_cpu = 0.0  # CPU seconds the service mechanism spent serving
+        self._scanned: Any = None  # the last inbox entry the service looked at
+        self._in_serve = False
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
         self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost)
+            if transport.fileno() is not None:  # inproc: nothing runs while a method does
+                from .threads import start_service
+                self.service = start_service(self)
 
     # ------------------------------------------------------------------ sending
     def load(self) -> int:
@@ -332,6 +359,9 @@ class Engine:
               dest: int, site: Any = None, oid: Any = None, pinned: bool = False,
               fid: Any = None) -> Future:
         """Send a call to ``dest`` and return its future at once."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.issue, kind, target, method, args, kwargs, dest, site,
+                                   oid, pinned, fid)
         if fid is None:
             fid = (self.id, next(self.seq))
         arcs = None
@@ -405,9 +435,15 @@ class Engine:
 
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.request_value, f)
         if f._engine.closed:
             raise stale_future(f)
         if threading.get_ident() != self.thread:
+            if threading.get_ident() == self.serving:
+                raise errors.DeadlockError(
+                    "a remote service request handler run inline or at once cannot wait; "
+                    "use thread='new'")
             raise RuntimeError("a macroflow future was used from a thread other than the one "
                                "that started the computation; use it from that thread")
         if f._asked or f._state == FINISHED:
@@ -462,11 +498,18 @@ class Engine:
 
     # ------------------------------------------------------------------ waiting
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
             timeout = check_timeout(timeout)
         self.request_value(f)
         if f._state == FINISHED:
             return
+        if self.in_inline:
+            # before the worker's case: an at-once handler may run on top of a method
+            raise errors.DeadlockError(
+                "a remote service request handler run inline or at once cannot wait; "
+                "use thread='new'")
         w = getcurrent()
         if isinstance(w, Worker):
             call = w.call
@@ -501,9 +544,6 @@ class Engine:
                     pass
                 raise r
             return
-        if self.in_inline:
-            raise errors.DeadlockError(
-                "an inline remote service request handler cannot wait; use thread='new'")
         if timeout is None and self.driver is self:
             step = self.step
             while f._state != FINISHED:  # the common wait, without a predicate call per step
@@ -660,6 +700,10 @@ class Engine:
             self.joined[src] = msg[1]
             if self.on_joined is not None:
                 self.on_joined(src)
+        else:
+            served = SERVED_WHILE_BUSY.get(op)
+            if served is not None:
+                served(self, src, msg)
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
@@ -889,7 +933,15 @@ class Engine:
             try:
                 args, kwargs = self._args(call)
                 inst = cls.__new__(cls)
-                inst.__init__(*args, **kwargs)
+                svc = self.service
+                if svc is None:
+                    inst.__init__(*args, **kwargs)
+                else:
+                    svc.enter()
+                    try:
+                        inst.__init__(*args, **kwargs)
+                    finally:
+                        svc.leave()
             except INTERRUPTS:
                 raise
             except BaseException as e:
@@ -972,9 +1024,19 @@ class Engine:
             return
         try:
             args, kwargs = self._args(call)
-            value = fn(*pre, *args, **kwargs)
-            if type(value) is CoroutineType:  # an async def method: run it here
-                value = run_coroutine(value)
+            svc = self.service
+            if svc is None:
+                value = fn(*pre, *args, **kwargs)
+                if type(value) is CoroutineType:  # an async def method: run it here
+                    value = run_coroutine(value)
+            else:
+                svc.enter()  # the method's own code: the context serves meanwhile
+                try:
+                    value = fn(*pre, *args, **kwargs)
+                    if type(value) is CoroutineType:
+                        value = run_coroutine(value)
+                finally:
+                    svc.leave()
         except INTERRUPTS:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
@@ -1037,6 +1099,8 @@ class Engine:
 
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.answer, call, value)
         if call.answered:
             raise RuntimeError("rtf() was already called in this method")
         self._finish(call, True, value, keep_running=True)
@@ -1232,11 +1296,7 @@ class Engine:
         _, gid, handler, args, thread = msg
         target = self.resolve(gid)
         if target is _MISSING:
-            self.stats.rsr_dropped += 1
-            name = getattr(handler, "__qualname__", repr(handler))
-            print(f"macroflow: context {self.id}: remote service request {name} for "
-                  f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
-                  f"or its object destroyed)", file=sys.stderr)
+            self._rsr_dropped(gid, handler)
             return
         if thread == "inline":
             self.in_inline = True
@@ -1257,6 +1317,124 @@ class Engine:
             obj = self.objects.get(gid[1])
             if obj is not None:
                 self._pump(obj)  # the handler may have changed what the guards see
+
+    def _rsr_dropped(self, gid, handler) -> None:
+        self.stats.rsr_dropped += 1
+        name = getattr(handler, "__qualname__", repr(handler))
+        print(f"macroflow: context {self.id}: remote service request {name} for "
+              f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
+              f"or its object destroyed)", file=sys.stderr)
+
+    def _on_rsr_now(self, src: int, msg: tuple) -> None:
+        # run as it arrives, by the engine or by the service mechanism while a
+        # method computes: like an interrupt, it must not wait
+        _, gid, handler, args = msg
+        target = self.resolve(gid)
+        if target is _MISSING:
+            self._rsr_dropped(gid, handler)
+            return
+        inline, self.in_inline = self.in_inline, True
+        try:
+            handler(target, *args)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            self.in_inline = inline
+        self.stats.rsr_executed += 1
+        if gid[0] == "object":
+            obj = self.objects.get(gid[1])
+            if obj is None:
+                return
+            if self._in_serve:
+                # the handler may have changed what the guards see, but no
+                # method may start from here (a method computes, or called
+                # mf.poll()): the engine's loop looks again
+                data, bufs = marshal.dumps((RSR, gid, _nothing, (), "inline"))
+                self.inbox.append((self.id, [data, *bufs], self.load()))
+            else:
+                self._pump(obj)
+
+    # ------------------------------------------------------------------ service while busy
+    def _from_user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the engine method ``fn`` for user code (a method issuing a call,
+        waiting, answering): while it runs, the service mechanism, which may
+        run whenever user code does, stays out of the engine. The methods that
+        user code calls start with ``if self.user and self.serving != _get_ident()``."""
+        svc = self.service
+        svc.leave()
+        try:
+            r = fn(*args)
+        except INTERRUPTS:
+            raise  # the method is being ended: it does not go back to user code
+        except BaseException:
+            svc.enter()
+            raise
+        svc.enter()
+        return r
+
+    def post(self, dest: int, header: tuple) -> None:
+        """Send one message on behalf of user code (a remote service request)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.post, dest, header)
+        self.send(dest, header)
+
+    def poll(self) -> int:
+        """Serve the messages that have arrived and need no user code (see
+        SERVED_WHILE_BUSY); the others stay queued. Returns how many were served."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.poll)
+        return self.serve_arrived()
+
+    def serve_arrived(self) -> int:
+        """Take what the transport has received; serve, in arrival order, the
+        messages that need no user code, and leave the others in the inbox in
+        their order. The caller keeps the engine's own loop out meanwhile
+        (it runs in user code's stead, or the engine is in user code)."""
+        if self._in_serve:
+            return 0  # mf.poll() from an at-once handler
+        self._in_serve = True
+        inbox = self.inbox
+        try:
+            if self.transport is not None:
+                self.transport.poll(0)
+            # only entries not looked at before: a long computation may have
+            # thousands of calls queued behind it
+            seen = self._scanned
+            fresh = []
+            while inbox and inbox[-1] is not seen:
+                fresh.append(inbox.pop())
+            served = 0
+            while fresh:
+                entry = fresh.pop()
+                if self._serve_one(entry):
+                    served += 1
+                else:
+                    inbox.append(entry)
+            self._scanned = inbox[-1] if inbox else None
+            self.served_busy += served
+            if self.transport is not None:
+                # also what the engine queued before the method started: its
+                # batch ends when the method does
+                self.transport.flush()
+            return served
+        finally:
+            self._in_serve = False
+
+    def _serve_one(self, entry) -> bool:
+        src, bufs, load = entry
+        b0 = bufs[0]
+        served = SERVED_WHILE_BUSY.get(_peek_op(b0))
+        if served is None:
+            return False
+        self.loads[src] = load
+        try:
+            msg = marshal.loads(b0, bufs[1:])
+        except Exception as e:
+            print(f"macroflow: context {self.id} could not decode a message from "
+                  f"context {src}: {e!r}", file=sys.stderr)
+            return True
+        served(self, src, msg)
+        return True
 
     def resolve(self, gid) -> Any:
         kind, ident = gid
@@ -1470,6 +1648,7 @@ class Engine:
     def snapshot(self) -> Dict[str, Any]:
         d = self.stats.as_dict()
         d.update(objects=len(self.objects), values_held=len(self.slots),
+                 served_while_busy=self.served_busy,
                  tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
                  load=self.load(), pid=os.getpid())
         pool = getattr(self.transport, "pool", None)
@@ -1520,6 +1699,56 @@ def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
     flat = array.array("q")
     flat.frombytes(data)
     return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
+
+
+def _nothing(target) -> None:
+    """An inline remote service request that does nothing: queued so that the
+    engine's loop looks at an object's guards again."""
+
+
+def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_forward(msg[1], msg[2], msg[3])
+
+
+def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_release(_unpack_release(msg[1]))
+
+
+#: The messages a context serves even while user code runs there, by opcode:
+#: handler(engine, src, msg). A handler must not run user code that may wait,
+#: switch lightweight threads or start a method; it may run in the service
+#: thread (see macroflow.core.threads). The engine's own loop dispatches these
+#: opcodes to the same handlers. One-sided operations on registered memory
+#: register here.
+SERVED_WHILE_BUSY: Dict[int, Callable[[Engine, int, tuple], None]] = {
+    FORWARD: _serve_forward,
+    RELEASE: _serve_release,
+    RSR_NOW: Engine._on_rsr_now,
+}
+
+_PROTO, _FRAME, _MARK, _BININT1 = 0x80, 0x95, 0x28, 0x4B
+
+
+def _peek_op(b0) -> int:
+    """The opcode of a message from its first buffer, without unpickling it
+    (-1 if it is not a pickled header that starts with a small int).
+
+    Example:
+        >>> _peek_op(marshal.dumps((FORWARD, (0, 1), 2, ((0, 1), None)))[0]) == FORWARD
+        True
+        >>> _peek_op(marshal.dumps((SHUTDOWN,))[0]) == SHUTDOWN, _peek_op(b"V...")
+        (True, -1)
+    """
+    if len(b0) < 4 or b0[0] != _PROTO:
+        return -1
+    i = 2
+    if b0[i] == _FRAME:
+        i += 9
+    if i < len(b0) and b0[i] == _MARK:
+        i += 1
+    if i + 1 < len(b0) and b0[i] == _BININT1:
+        return b0[i + 1]
+    return -1
 
 
 _GONE = ("destroyed", "missing")
@@ -1773,8 +2002,10 @@ def current_engine() -> Engine:
         if eng is None:
             raise RuntimeError("macroflow is not running: use mf.run(main, contexts=N) "
                                "or 'with mf.init(contexts=N):'")
-        if threading.get_ident() != eng.thread:
-            # one thread runs a context's engine: another would corrupt it
+        me = threading.get_ident()
+        if me != eng.thread and me != eng.serving:
+            # one thread runs a context's engine (and the service thread for
+            # the requests it serves while a method computes): another would corrupt it
             raise RuntimeError("macroflow was called from a thread other than the one "
                                "that started the computation; call it from that thread")
     return eng

@@ -2,8 +2,9 @@
 
 An RSR is one-way: no reply, no future. The handler runs in the pointer's
 context with the object the pointer names, either inline on that context's
-progress engine (cheapest; it must not wait) or in a new lightweight thread
-(it may wait on futures). RSRs bypass a persistent object's monitor, as an
+progress engine (cheapest; it must not wait), in a new lightweight thread
+(it may wait on futures), or at once, even while a method computes there
+(it must not wait). RSRs bypass a persistent object's monitor, as an
 interrupt would: use them for library-level machinery, not user methods.
 """
 
@@ -12,11 +13,11 @@ from __future__ import annotations
 from typing import Any, Callable, Tuple
 
 from . import errors, marshal
-from .context import RSR, current_engine
+from .context import RSR, RSR_NOW, current_engine
 from .future import current_engine_of
 from .gptr import GlobalPointer
 
-THREADS = ("inline", "new")
+THREADS = ("inline", "new", "now")
 
 
 def export(obj: Any) -> GlobalPointer:
@@ -114,7 +115,11 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         gptr: names the target (``mf.info(handle).gptr`` or :func:`export`'s result).
         handler: a picklable function; ``obj`` is the object the pointer names.
         thread: "inline" runs it on the target's progress engine (it must not
-            wait); "new" runs it in a new lightweight thread (it may wait).
+            wait); "new" runs it in a new lightweight thread (it may wait);
+            "now" runs it as soon as it arrives, even while a method computes
+            there, in whichever thread serves the context then (the engine's,
+            or its service mechanism's): like an interrupt, it must not wait
+            or block, and it may run while a method of the same object runs.
 
     Raises:
         TypeError: ``gptr`` is not a GlobalPointer, or ``handler`` is not callable.
@@ -124,7 +129,8 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
 
     Messages from one context to another are served in the order they were
     sent, so a call sent after an RSR to the same context runs after the
-    handler has.
+    handler has; a "now" request may pass messages sent before it that
+    wait for a computing method to end.
 
     Example:
         >>> import macroflow as mf
@@ -144,7 +150,7 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         2
     """
     if thread not in THREADS:
-        raise ValueError(f"thread must be 'inline' or 'new'; got {thread!r}")
+        raise ValueError(f"thread must be 'inline', 'new' or 'now'; got {thread!r}")
     _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
     if not callable(handler):
         raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
@@ -154,8 +160,10 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
     if gptr.protocols and not set(mine) & set(gptr.protocol_names()):
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "
                          f"this context speaks {mine}")
+    header = (RSR_NOW, gptr.gid, handler, args) if thread == "now" else \
+        (RSR, gptr.gid, handler, args, thread)
     try:
-        eng.send(gptr.context, (RSR, gptr.gid, handler, args, thread))
+        eng.post(gptr.context, header)
     except marshal.PICKLE_ERRORS as e:
         raise errors.CallError(f"cannot send remote service request "
                                f"{getattr(handler, '__qualname__', handler)}: {e}") from e

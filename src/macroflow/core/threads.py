@@ -5,11 +5,23 @@ each method call runs in a :class:`Worker` greenlet taken from a pool, so a
 method that waits on a future parks (two stack switches, ~0.6 us) and the
 engine goes on serving the context's other objects. A worker that finishes
 goes back to the pool, so no call pays for creating a thread.
+
+While a method computes without waiting, a *service mechanism* serves the
+requests that need no user code (see ``SERVED_WHILE_BUSY`` in
+:mod:`macroflow.core.context`): :class:`ServiceTimer` (a timer signal that
+serves between two bytecodes of the method), :class:`ServiceThread` (a
+thread that serves when the interpreter lets it), or none but :func:`poll`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+import os
+import select
+import signal
+import threading
+import time
+import weakref
+from typing import Any, Callable, List, Optional, Tuple
 
 import greenlet
 
@@ -138,3 +150,507 @@ class Pool:
         if len(self.free) < self.keep:
             self.free.append(w)
 
+
+# -------------------------------------------------------------------- service
+SERVICES = ("signal", "thread", "timer", "poll")
+DEFAULT_SERVICE = "signal"
+
+
+def service_setting(value: Optional[str] = None) -> str:
+    """The service mechanism to use: ``value`` if given, else the
+    MACROFLOW_SERVICE environment variable, else :data:`DEFAULT_SERVICE`.
+
+    Example:
+        >>> service_setting("thread")
+        'thread'
+        >>> service_setting("pigeon")
+        Traceback (most recent call last):
+        ...
+        ValueError: the service mechanism must be one of signal, thread, timer, poll; got 'pigeon'
+    """
+    source = "the service mechanism"
+    if value is None:
+        env = os.environ.get("MACROFLOW_SERVICE")
+        value = env or DEFAULT_SERVICE
+        if env:
+            source = "the MACROFLOW_SERVICE environment variable"
+    if value not in SERVICES:
+        raise ValueError(f"{source} must be one of {', '.join(SERVICES)}; got {value!r}")
+    return value
+
+
+class Service:
+    """Serves a context while user code runs there: this base serves only
+    when the user calls :func:`poll`.
+
+    The engine calls ``enter()`` when user code starts (a method, a
+    constructor) and ``leave()`` when the engine's own code takes over again
+    (the method returns, or calls macroflow): between the two, ``engine.user``
+    is True and a subclass may serve, by ``engine.serve_arrived()``, with
+    ``engine.serving`` set to the serving thread.
+
+    Example:
+        >>> class Eng: user, epoch = False, 0
+        >>> s = Service(Eng())
+        >>> s.enter(); s.engine.user, s.engine.epoch
+        (True, 1)
+        >>> s.leave(); s.engine.user
+        False
+    """
+
+    name = "poll"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def enter(self) -> None:
+        eng = self.engine
+        eng.epoch += 1
+        eng.user = True  # last: the service may run from here on
+
+    def leave(self) -> None:
+        self.engine.user = False
+
+    def stop(self) -> None:
+        """No more service (the computation ends)."""
+
+    def serve(self) -> int:
+        """Serve now, as the thread that calls it; the caller keeps the engine out.
+        The CPU time it takes is added to ``engine.service_cpu``."""
+        eng = self.engine
+        eng.serving = threading.get_ident()
+        t = time.thread_time()
+        try:
+            return eng.serve_arrived()
+        finally:
+            eng.serving = 0
+            eng.service_cpu += time.thread_time() - t
+
+
+def _take_signal(signum: int, handler: Any) -> Any:
+    """Install ``handler`` for ``signum`` with SA_RESTART (system calls other
+    than sleeps and waits go on rather than fail with EINTR); returns the
+    handler it replaces."""
+    previous = signal.signal(signum, handler)
+    signal.siginterrupt(signum, False)
+    return previous
+
+
+def _signal_free(signum: int, engine: Any) -> bool:
+    """Whether this service may take ``signum``: Python runs handlers in the
+    main thread only, and context 0 is the user's process (another context
+    is a process of macroflow's own, whatever it inherited). The handler of
+    an ended service is free: see :func:`_give_back`."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(signum)
+    return current in (signal.SIG_DFL, None) or getattr(engine, "id", 0) != 0 or \
+        getattr(getattr(current, "__self__", None), "stopped", False) is True
+
+
+def _give_back(signum: int, handler: Any, previous: Any) -> None:
+    """Undo :func:`_take_signal` when a service ends. Where the signal had no
+    handler, the service's own stays, doing nothing: the default would end
+    the process should one more signal come (a SIGIO the kernel had already
+    sent, a last tick)."""
+    if signal.getsignal(signum) is handler and previous not in (None, signal.SIG_DFL):
+        signal.signal(signum, previous)
+
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # services with a thread and a lock
+
+
+def _before_fork() -> None:
+    # a child forked by user code must not inherit a lock held by a serving thread
+    for t in list(_live):
+        t.lock.acquire()
+
+
+def _after_fork_parent() -> None:
+    for t in list(_live):
+        if t.lock.locked():
+            t.lock.release()
+
+
+def _after_fork_child() -> None:
+    for t in list(_live):
+        t.stopped = True  # the thread is not in the child
+        if t.lock.locked():
+            t.lock.release()
+    _live.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                    after_in_child=_after_fork_child)
+
+
+class ServiceThread(Service):
+    """A thread serves the context while user code runs there.
+
+    The thread wakes now and then (every 50 ms at most, more often while
+    user code starts and ends) to see whether the same user code has been
+    running since it last looked; once it has, and until it ends, the
+    thread sleeps on the transport's descriptor and serves each arrival,
+    under a lock that ``leave()`` takes, so the thread and the engine never
+    run at once. It never watches the descriptor while the engine does,
+    which would wake two threads for every message. It gets the interpreter
+    at once while the method sleeps or runs numpy code that releases it, but
+    only after the switch interval (5 ms) while the method runs Python, and
+    again after each system call of its own: about 10 ms.
+
+    Example:
+        >>> class Eng:
+        ...     user, epoch, serving, closed, service_cpu = False, 0, 0, False, 0.0
+        ...     def serve_arrived(self): self.got += 1; return 0
+        >>> eng = Eng(); eng.got = 0
+        >>> r, w = os.pipe()
+        >>> t = ServiceThread(eng, r, period=0.001)
+        >>> t.enter(); time.sleep(0.05); t.leave()   # the method sleeps: it is served
+        >>> eng.got > 0
+        True
+        >>> t.stop(); os.close(r); os.close(w)
+    """
+
+    name = "thread"
+    IDLE_MAX = 0.05  # the longest it sleeps while the context is idle
+    LOOK = 0.005  # how soon it looks again once user code has started
+
+    def __init__(self, engine: Any, fd: int, period: float = LOOK) -> None:
+        super().__init__(engine)
+        self.period = period
+        self.lock = threading.Lock()
+        self.busy = False  # the thread holds the lock to serve
+        self.stopped = False
+        self.ep = select.epoll()
+        self.ep.register(fd, select.EPOLLIN)
+        _live.add(self)
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"macroflow-service-{getattr(engine, 'id', '')}")
+        self.thread.start()
+
+    def leave(self) -> None:
+        self.engine.user = False  # first: the thread starts no serving from here on
+        if self.busy:  # then wait out a serve in progress
+            self.lock.acquire()
+            self.lock.release()
+
+    def _run(self) -> None:
+        eng = self.engine
+        seen = -1
+        nap = self.period
+        watching = False
+        try:
+            while not self.stopped and not eng.closed:
+                if watching:
+                    self.ep.poll(self.IDLE_MAX)
+                else:
+                    time.sleep(nap)
+                e = eng.epoch
+                if not eng.user:
+                    # idle, or in its own code: look less and less often (a
+                    # look while the engine runs Python costs it a switch)
+                    seen, nap, watching = e, min(2 * nap, self.IDLE_MAX), False
+                    continue
+                if e != seen:  # user code started since the last look: look again soon
+                    seen, nap, watching = e, self.period, False
+                    continue
+                with self.lock:
+                    self.busy = True  # before it looks at eng.user: see leave()
+                    try:
+                        if eng.user and eng.epoch == e and not self.stopped:
+                            self.serve()
+                            watching = True
+                    finally:
+                        self.busy = False
+        finally:
+            self.ep.close()
+
+    def stop(self) -> None:
+        self.stopped = True
+        _live.discard(self)
+
+
+class ServiceSignal(Service):
+    """The kernel interrupts user code when a request arrives (SIGIO), and
+    the handler serves between two bytecodes of the method.
+
+    A watcher thread samples, every few milliseconds (every 50 ms at most
+    while the context idles), whether user code runs; when it has at two
+    samples in a row, it asks the transport to signal arrivals
+    (``signal_arrivals``), and when the engine's own code runs again, it
+    asks it to stop, so the engine's own traffic never pays for a signal.
+    The handler serves at once during Python, when the current numpy
+    operation ends, and in the middle of ``time.sleep`` (which then sleeps
+    on). System calls other than sleeps and waits restart (SA_RESTART), and
+    a single operation in C may hold the interpreter for long: the watcher
+    also serves, every ``FALLBACK`` seconds while user code runs, whatever
+    the handler could not. Both serve under one lock that ``leave()`` takes.
+
+    Example:
+        >>> class Transport:
+        ...     def signal_arrivals(self, on, again=False): return True
+        >>> class Eng:
+        ...     id, user, epoch, serving, closed, transport = 1, False, 0, 0, False, Transport()
+        ...     service_cpu = 0.0
+        ...     def serve_arrived(self): self.got += 1; return 0
+        >>> eng = Eng(); eng.got = 0
+        >>> s = ServiceSignal(eng, look=0.001)
+        >>> s.enter(); os.kill(os.getpid(), signal.SIGIO); s.leave()   # a request came
+        >>> eng.got > 0
+        True
+        >>> s.stop()
+    """
+
+    name = "signal"
+    LOOK = 0.005  # how often the watcher samples while user code starts and ends
+    IDLE_MAX = 0.05  # ... and at most how seldom while the context idles
+    FALLBACK = 0.05  # how often it serves itself while user code runs
+    HANDOVER = 0.005  # the longest the handler waits for the watcher's serve to end
+
+    def __init__(self, engine: Any, look: float = LOOK) -> None:
+        super().__init__(engine)
+        self.look = look
+        self.lock = threading.Lock()
+        self.busy = False  # the watcher holds the lock to serve
+        self.stopped = False
+        self.signalling = False
+        self.handling = False
+        self.signals = 0  # SIGIOs handled while user code ran
+        self.pid = os.getpid()
+        self.handler = self._on_signal  # one bound method: getsignal() returns this very object
+        self.previous = _take_signal(signal.SIGIO, self.handler)
+        _live.add(self)
+        self.thread = threading.Thread(target=self._watch, daemon=True,
+                                       name=f"macroflow-service-{getattr(engine, 'id', '')}")
+        self.thread.start()
+
+    def leave(self) -> None:
+        self.engine.user = False  # first: nobody starts serving from here on
+        if self.busy:  # then wait out the watcher's serve in progress
+            self.lock.acquire()
+            self.lock.release()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stopped or self.handling or os.getpid() != self.pid:
+            return  # the computation ended, or a forked child
+        eng = self.engine
+        if not eng.user:
+            # the engine's own code runs: it serves itself. A signal while
+            # none are asked for comes from a connection made as they were
+            # turned off: turn them off again, there too
+            if not self.signalling:
+                eng.transport.signal_arrivals(False, again=True)
+            return
+        self.signals += 1
+        self.handling = True
+        try:
+            # waiting here hands the interpreter to the watcher, if it serves
+            if self.lock.acquire(timeout=self.HANDOVER):
+                try:
+                    if eng.user:
+                        self.serve()
+                finally:
+                    self.lock.release()
+        finally:
+            self.handling = False
+
+    def _signals(self, on: bool) -> None:
+        # under the lock
+        if on and signal.getsignal(signal.SIGIO) is not self.handler:
+            return  # user code took SIGIO: the watcher serves alone
+        self.signalling = on
+        self.engine.transport.signal_arrivals(on)
+
+    def _watch(self) -> None:
+        eng = self.engine
+        nap = self.look
+        samples = 0  # in a row, with user code running
+        while not self.stopped and not eng.closed:
+            time.sleep(nap)
+            if eng.user:
+                samples += 1
+                if samples < 2:
+                    nap = self.look
+                    continue
+                with self.lock:
+                    self.busy = True  # before it looks at eng.user: see leave()
+                    try:
+                        if eng.user and not self.stopped:
+                            if not self.signalling:
+                                self._signals(True)
+                            elif signal.getsignal(signal.SIGIO) is not self.handler:
+                                self._signals(False)  # user code took SIGIO: theirs now
+                            self.serve()  # what came before, and what no signal could reach
+                    finally:
+                        self.busy = False
+                nap = self.FALLBACK
+            else:
+                samples = 0
+                if self.signalling:
+                    with self.lock:
+                        if not eng.user and not self.stopped:
+                            self._signals(False)
+                    nap = self.look
+                else:
+                    nap = min(2 * nap, self.IDLE_MAX)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        _live.discard(self)
+        if os.getpid() != self.pid:
+            return
+        with self.lock:
+            if self.signalling:
+                self.signalling = False
+                try:
+                    self.engine.transport.signal_arrivals(False)
+                except Exception:
+                    pass  # closed already
+        _give_back(signal.SIGIO, self.handler, self.previous)
+        self.engine = None  # the handler may stay: it keeps no computation alive
+
+
+class ServiceTimer(Service):
+    """A timer signal (SIGALRM) serves the context while user code runs.
+
+    ``enter()`` starts a periodic timer unless one runs already; the first
+    tick that finds the engine's own code running stops it, so a stream of
+    short methods costs about one tick and two ``setitimer`` calls per
+    ``period``, and an idle context nothing. A tick that finds user code
+    running serves between two bytecodes of the method (or interrupts
+    ``time.sleep``, which then sleeps on). It ticks every ``period`` while it
+    has served something in the last ``HOLD`` seconds, else twice as far
+    apart each time, up to ``period_max``. Each tick costs the method tens
+    of microseconds (a signal, a look at the transport, caches lost), so the
+    period trades latency for speed: 5 ms gives a median wait of about 3 ms.
+
+    Example:
+        >>> class Eng:
+        ...     user, epoch, serving, service_cpu = False, 0, 0, 0.0
+        ...     def serve_arrived(self): self.got += 1; return 0
+        >>> eng = Eng(); eng.got = 0
+        >>> s = ServiceTimer(eng, period=0.001)
+        >>> s.enter(); time.sleep(0.05); s.leave()   # the method sleeps: it is served
+        >>> eng.got > 0
+        True
+        >>> s.stop()
+    """
+
+    name = "timer"
+    HOLD = 0.05  # it ticks every period for this long after it last served
+
+    def __init__(self, engine: Any, period: float = 0.005, period_max: float = 0.02) -> None:
+        super().__init__(engine)
+        self.period = period
+        self.period_max = period_max
+        self.interval = period
+        self.last = 0.0  # when it last served something
+        self.armed = False
+        self.ticking = False
+        self.stopped = False
+        self.signals = 0  # ticks while user code ran
+        self.pid = os.getpid()
+        self.handler = self._tick  # one bound method: getsignal() returns this very object
+        self.previous = _take_signal(signal.SIGALRM, self.handler)
+
+    def enter(self) -> None:
+        if not self.armed and not self.stopped:
+            if signal.getsignal(signal.SIGALRM) is self.handler:
+                self.armed = True
+                signal.setitimer(signal.ITIMER_REAL, self.interval, self.interval)
+            else:
+                self.stopped = True  # user code took SIGALRM: it is theirs now
+        eng = self.engine
+        eng.epoch += 1
+        eng.user = True
+
+    def _tick(self, signum: int, frame: Any) -> None:
+        if self.ticking or self.stopped or os.getpid() != self.pid:
+            return  # a tick during a tick, the computation ended, or a forked child
+        eng = self.engine
+        if not eng.user:
+            # the engine's own code runs (it serves itself); enter() starts again
+            self.armed = False
+            self.interval = self.period
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            return
+        self.signals += 1
+        self.ticking = True
+        try:
+            now = time.monotonic()
+            if self.serve():
+                self.last = now
+            interval = self.period if now - self.last < self.HOLD else \
+                min(2 * self.interval, self.period_max)
+            if interval != self.interval and self.armed:
+                self.interval = interval
+                signal.setitimer(signal.ITIMER_REAL, interval, interval)
+        finally:
+            self.ticking = False
+
+    def stop(self) -> None:
+        if self.stopped and not self.armed:
+            return
+        self.stopped = True
+        self.armed = False
+        if os.getpid() == self.pid and signal.getsignal(signal.SIGALRM) is self.handler:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            _give_back(signal.SIGALRM, self.handler, self.previous)
+            self.engine = None
+
+
+def start_service(engine: Any, name: Optional[str] = None) -> Service:
+    """The service mechanism ``name`` (see :func:`service_setting`) for ``engine``.
+
+    Signals need the engine in the main thread and the signal unused by
+    anyone else (in context 0, the user's process; the other contexts are
+    processes of their own) and, for ``signal``, a transport that can signal
+    arrivals; where they cannot be had, the thread serves instead.
+
+    Example:
+        >>> class Eng:
+        ...     id, user, epoch, serving, transport = 0, False, 0, 0, None
+        >>> type(start_service(Eng(), "poll")).__name__
+        'Service'
+    """
+    name = service_setting(name)
+    if name == "poll":
+        return Service(engine)
+    transport = getattr(engine, "transport", None)
+    if name == "timer" and _signal_free(signal.SIGALRM, engine):
+        return ServiceTimer(engine)
+    if name == "signal" and hasattr(transport, "signal_arrivals") and \
+            _signal_free(signal.SIGIO, engine):
+        return ServiceSignal(engine)
+    fd = transport.fileno() if transport is not None else None
+    return Service(engine) if fd is None else ServiceThread(engine, fd)
+
+
+def poll() -> int:
+    """Serve the requests that have arrived for this context and need no
+    user code (value requests, releases, ``thread="now"`` remote service
+    requests); calls and everything else stay queued for the engine. Returns
+    how many were served; when nothing is pending it is a quick look.
+
+    A context serves these by itself while a method computes (see the
+    guide's section on service while a context computes); a compute loop
+    that wants them served at points of its choosing calls this.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.persistent
+        ... class Solver:
+        ...     def run(self, steps):
+        ...         total = 0
+        ...         for i in range(steps):
+        ...             total += i          # one step of the computation
+        ...             mf.poll()           # serve requests that need no user code
+        ...         return total
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     Solver.create(on=1).run(1000).result()
+        499500
+    """
+    from .context import current_engine
+    return current_engine().poll()

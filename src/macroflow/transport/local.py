@@ -31,6 +31,7 @@ sleeps in epoll, because waking a sleeping process on the other core costs
 from __future__ import annotations
 
 import errno
+import fcntl
 import hmac
 import mmap
 import os
@@ -344,6 +345,16 @@ def _view(p: object) -> memoryview:
     return m if m.format == "B" and m.ndim == 1 else m.cast("B")
 
 
+def _set_async(fd: int, on: bool) -> None:
+    try:
+        if on:
+            fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_ASYNC if on else flags & ~os.O_ASYNC)
+    except OSError:
+        pass  # closed meanwhile
+
+
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
                  "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf")
@@ -410,6 +421,7 @@ class LocalTransport(Transport):
         self.mesh = mesh
         self.listener = listener
         self.lfd = -1
+        self.signalling = False  # SIGIO on arrivals: see signal_arrivals
         try:
             self.ep = select.epoll()
         except OSError as e:
@@ -429,6 +441,8 @@ class LocalTransport(Transport):
         c = _Conn(peer, sock)
         self.byfd[c.fd] = c
         self.ep.register(c.fd, select.EPOLLIN)
+        if self.signalling:
+            _set_async(c.fd, True)
         if peer >= 0:
             self._know(c)
         return c
@@ -445,6 +459,36 @@ class LocalTransport(Transport):
         """Take ``sock``, connected to context ``peer`` (one added while
         running), as the connection frames to ``peer`` go on."""
         self._add(peer, sock)
+    def signal_arrivals(self, on: bool, again: bool = False) -> bool:
+        """While ``on``, the kernel sends this process SIGIO whenever bytes or a
+        connection arrive (O_ASYNC on every socket, new ones included), so a
+        context whose thread runs user code can be interrupted to serve. The
+        caller installs a SIGIO handler first: SIGIO's default ends the process.
+        ``again`` sets every socket even if the state does not change (a
+        connection made while it changed may have missed it).
+
+        Example:
+            >>> import signal, socket
+            >>> got = []
+            >>> old = signal.signal(signal.SIGIO, lambda *a: got.append("SIGIO"))
+            >>> a, b = socket.socketpair()
+            >>> t = LocalTransport(1, {0: b})
+            >>> t.signal_arrivals(True)
+            True
+            >>> _ = a.send(b"x"); time.sleep(0.01)
+            >>> t.signal_arrivals(False); got[:1]
+            True
+            ['SIGIO']
+            >>> _ = signal.signal(signal.SIGIO, old); t.close(); a.close()
+        """
+        if on != self.signalling or again:
+            self.signalling = on
+            fds = list(self.byfd)
+            if self.lfd >= 0:
+                fds.append(self.lfd)
+            for fd in fds:
+                _set_async(fd, on)
+        return True
 
     def peers(self) -> List[int]:
         return [p for p, cs in self.links.items() if any(not c.closed for c in cs)]
