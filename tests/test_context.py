@@ -419,7 +419,10 @@ def test_a_timeout_of_main_is_honoured_while_context_0_has_work_of_its_own(trans
         done = mf.gather(naps, timeout=30)
         return took, done, mf.stats()[0]["calls_executed"]
 
-    took, done, _ = mf.run(main, contexts=3, transport=transport)
+    # no transfers: a call another context passes on arrives pinned, and a
+    # pinned call runs where it arrives, timed wait or not
+    took, done, _ = mf.run(main, contexts=3, transport=transport,
+                           placement=mf.Placement("round-robin", threshold=1000))
     if transport == "local":
         assert took < 0.3, took  # 4 s before: context 0 ran two 1-second naps meanwhile
     else:  # one thread for all: at most the one nap that computes when time is up

@@ -196,8 +196,10 @@ with mf.init(contexts=2, listen="198.18.0.1:0", secret={secret!r}) as s:
     here = {{c: o.here().result()[0] for c, o in objs.items()}}
     cross = objs[2].ask(objs[mf.num_contexts() - 1]).result()
     infos = [(c.id, [a for p, a in c.protocols if p == "tcp"][0]) for c in mf.contexts()]
-    stats = {{c: st["protocols"]["tcp"]["messages_sent"] for c, st in mf.stats().items()}}
-print(json.dumps(dict(here=here, cross=cross, infos=infos, tcp=stats)), flush=True)
+    every = mf.stats()
+    stats = {{c: st["protocols"]["tcp"]["messages_sent"] for c, st in every.items()}}
+    local = {{c: st["protocols"].get("local", {{}}).get("messages_sent", 0) for c, st in every.items()}}
+print(json.dumps(dict(here=here, cross=cross, infos=infos, tcp=stats, local=local)), flush=True)
 """
 
 
@@ -224,6 +226,8 @@ def test_workers_on_separate_hosts_join_and_talk_to_each_other(tmp_path):
     assert hosts[0] == hosts[1] == "198.18.0.1"
     assert {hosts[2], hosts[3]} == {"198.18.1.2", "198.18.2.2"}
     assert got["tcp"]["1"] == 0 and got["tcp"]["2"] > 0 and got["tcp"]["3"] > 0
+    # contexts of different hosts never take the local path, not even to each other
+    assert got["local"]["2"] == 0 and got["local"]["3"] == 0 and got["local"]["1"] > 0
 
 
 def test_workers_join_over_tls_with_the_shared_certificate():

@@ -166,3 +166,62 @@ def test_a_container_that_holds_itself_can_be_an_argument(run):
         return plain, with_arc
 
     assert run(main, contexts=2) == (3, 3)
+
+
+# -- a message the receiver cannot unpickle -----------------------------------------
+def _explode():
+    raise ValueError("cannot be rebuilt here")
+
+
+class Unrebuildable:
+    """Pickles fine; unpickling it raises (a class the receiver cannot import,
+    or a ``__setstate__`` that fails, do the same)."""
+
+    def __reduce__(self):
+        return _explode, ()
+
+
+@mf.persistent
+class Keeper:
+    def __init__(self, *args):
+        self.n = len(args)
+
+    def take(self, x):
+        return x
+
+
+@mf.regular
+class Taker:
+    def take(self, x):
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
+    def main():
+        k = Keeper.create(on=1)
+        out = {}
+        for name, f in [("persistent", k.take(Unrebuildable())),
+                        ("regular", Taker().take(Unrebuildable())),
+                        ("consumer", k.take(k.take(Unrebuildable())))]:
+            try:
+                f.result(timeout=30)
+                out[name] = "no error"
+            except mf.CallError as e:
+                out[name] = str(e)
+        out["after"] = k.take(5).result(timeout=30)  # the object is unharmed
+        broken = Keeper.create(Unrebuildable(), on=1)
+        try:
+            broken.take(1).result(timeout=30)
+            out["create"] = "no error"
+        except mf.ObjectDestroyed as e:  # as when a constructor raises
+            out["create"] = str(e)
+        return out
+
+    out = run(main, contexts=2)
+    for name in ("persistent", "regular", "consumer", "create"):
+        assert "could not unpickle" in out[name] and "cannot be rebuilt here" in out[name], \
+            (name, out[name])
+    assert "arguments of take()" in out["persistent"]
+    assert out["create"].startswith("Keeper could not be created")
+    assert out["after"] == 5

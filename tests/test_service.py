@@ -31,6 +31,8 @@ ENDED = []  # set in context 1 when a busy method ends
 
 
 def gate_open(fd):
+    if isinstance(fd, str):  # a path: processes that were not forked share it
+        return os.path.exists(fd)
     return bool(select.select([fd], [], [], 0)[0])
 
 
@@ -48,9 +50,21 @@ class Busy:
     def compute(self, kind, gate):
         n = 0
         if kind == "python":
+            # pure Python; the gate (a system call) is looked at every 10 ms
+            look = time.monotonic()  # no system call: the vDSO clock
+            while True:
+                for i in range(2_000):
+                    n += i
+                if time.monotonic() >= look:
+                    if gate_open(gate):
+                        break
+                    look = time.monotonic() + 0.01
+        elif kind == "syscalls":
+            # Python with a system call about every millisecond: a thread
+            # waiting for the interpreter may never get it
             while True:
                 for i in range(20_000):
-                    n += i  # Python between two looks at the gate
+                    n += i
                 if gate_open(gate):
                     break
         elif kind == "numpy":
@@ -131,6 +145,53 @@ def wait_for(box, n=1, timeout=30):
 
 
 # -- values, forwards, releases, remote service requests -----------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["python", "sleep"])
+def test_a_busy_context_serves_on_every_transport(transport, tmp_path, kind):
+    # the default mechanism, with the transport's own way to signal arrivals
+    # (MPI: the wake-up socket peers on this host write to with each frame)
+    if transport == "inproc":
+        pytest.skip("inproc: every context shares one thread")
+    gate = str(tmp_path / "gate")
+
+    def main():
+        h, b = Holder.create(on=1), Busy.create(on=1)
+        lazy(h)
+        f = h.value(5)
+        busy = b.compute(kind, gate)
+        got = f.result(timeout=30)
+        open(gate, "w").close()
+        ended = busy.result(timeout=30)
+        return got, mf.stats()[1]["served_while_busy"], ended
+
+    got, served, ended = mf.run(main, contexts=2, transport=transport)
+    assert (got, ended) == (5, "ended") and served >= 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mechanism", ["signal", "timer"])
+def test_a_method_making_frequent_system_calls_is_served(monkeypatch, gate, mechanism):
+    # A thread that waits for the interpreter does not get it from a method that
+    # makes a system call every millisecond or so: the signal mechanism must
+    # start its signals without one. Five in a row, each in a new computation
+    # (once in four, a watcher thread alone was not served before the timeout).
+    monkeypatch.setenv("MACROFLOW_SERVICE", mechanism)
+    r, open_gate = gate
+
+    def main():
+        h, b = Holder.create(on=1), Busy.create(on=1)
+        lazy(h)
+        f = h.value(7)
+        busy = b.compute("syscalls", r)
+        got = f.result(timeout=20)
+        open_gate()
+        return got, busy.result(timeout=20)
+
+    for _ in range(5):
+        assert mf.run(main, contexts=2, transport="local") == (7, "ended")
+        os.read(r, 1)  # close the gate again
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["python", "numpy", "sleep"])
 @pytest.mark.parametrize("mechanism", MECHANISMS)

@@ -647,9 +647,9 @@ class Engine:
             try:
                 msg = marshal.loads(bufs[0], bufs[1:])
             except Exception as e:
-                print(f"macroflow: context {self.id} could not decode a message from "
-                      f"context {src}: {e!r}", file=sys.stderr)
-                continue
+                msg = self._undecodable(src, bufs, e)
+                if msg is None:
+                    continue
             if msg[0] == CALL:
                 self._on_call(src, msg)
             else:
@@ -704,6 +704,25 @@ class Engine:
             served = SERVED_WHILE_BUSY.get(op)
             if served is not None:
                 served(self, src, msg)
+
+    def _undecodable(self, src: int, bufs: List[Any], e: BaseException) -> Optional[tuple]:
+        """A message that could not be unpickled here (a class this process
+        cannot import, a ``__setstate__`` that raises). A call is still run,
+        as a call that fails with the reason, so its future does not wait
+        forever; anything else is reported on stderr and dropped."""
+        msg = marshal.salvage(bufs[0], bufs[1:])
+        if not (type(msg) is tuple and len(msg) == 10 and msg[0] == CALL):
+            print(f"macroflow: context {self.id} could not decode a message from "
+                  f"context {src}: {e!r}", file=sys.stderr)
+            return None
+        _, fid, kind, target, method, _args, _kw, _arcs, route, caller = msg
+        what = f"the arguments of {method}()" if method else "the constructor's arguments"
+        err = errors.CallError(f"context {self.id} could not unpickle {what}, sent by "
+                               f"context {src}: {type(e).__name__}: {e}")
+        if kind == REGULAR:
+            target = (_Unreadable.of(err), (), {})
+        return (CALL, fid, kind, target, method, _Unreadable.of(err)(), {}, (),
+                route | PINNED, caller)
 
     def _on_call(self, src, msg) -> None:
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
@@ -1712,6 +1731,29 @@ def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
 
 def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_release(_unpack_release(msg[1]))
+
+
+class _Unreadable:
+    """Arguments (and, for a stateless object, its class) that could not be
+    unpickled: iterating them, constructing one, or looking up a method
+    raises the reason, which fails the call."""
+
+    error: BaseException
+    __mf_new__ = object.__new__
+
+    @classmethod
+    def of(cls, error: BaseException) -> type:
+        return type("_Unreadable", (cls,), {"error": error})
+
+    def __iter__(self):
+        raise self.error
+
+    def __getattr__(self, name: str) -> Any:
+        error = self.error
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise error
+        return fail
 
 
 #: The messages a context serves even while user code runs there, by opcode:

@@ -98,11 +98,17 @@ def protocols_of(eng: Any, ctx: int) -> Tuple[Tuple[str, str], ...]:
 
 def spoken(eng: Any) -> Tuple[str, ...]:
     """The protocols this context speaks."""
+    known = eng.__dict__.get("_spoken")
+    if known is not None:  # a context's protocol modules are fixed when it starts
+        return known
     t = eng.transport
     if t is None:
-        return ("inproc",)
-    addresses = getattr(t, "addresses", None)
-    return tuple(p for p, _ in (addresses() if addresses is not None else (t.address(),)))
+        known = ("inproc",)
+    else:
+        addresses = getattr(t, "addresses", None)
+        known = tuple(p for p, _ in (addresses() if addresses is not None else (t.address(),)))
+    eng._spoken = known
+    return known
 
 
 def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: str = "inline") -> None:

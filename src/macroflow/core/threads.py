@@ -374,11 +374,21 @@ class ServiceSignal(Service):
     """The kernel interrupts user code when a request arrives (SIGIO), and
     the handler serves between two bytecodes of the method.
 
-    A watcher thread samples, every few milliseconds (every 50 ms at most
-    while the context idles), whether user code runs; when it has at two
-    samples in a row, it asks the transport to signal arrivals
-    (``signal_arrivals``), and when the engine's own code runs again, it
-    asks it to stop, so the engine's own traffic never pays for a signal.
+    Two samplers decide when arrivals are signalled. A CPU-time timer
+    (``ITIMER_VIRTUAL``, SIGVTALRM), armed by ``enter()`` unless it runs
+    already, fires in the method's own thread once the process has computed
+    for ``CPU_LOOK`` seconds; a watcher thread samples every few
+    milliseconds (every 50 ms at most while the context idles). When user
+    code is running at the timer's tick, or at two of the watcher's samples
+    in a row, the sampler asks the transport to signal arrivals
+    (``signal_arrivals``); when the engine's own code runs again, the first
+    signal or sample that sees it turns them off, so the engine's own
+    traffic never pays for a signal. The timer is what starts signals while
+    the method computes: a thread that wakes from a sleep may wait for the
+    interpreter for as long as the method keeps making short system calls
+    (each one hands the interpreter back before the waiting thread runs).
+    The watcher starts them while the method sleeps or waits, which uses no
+    CPU time.
     The handler serves at once during Python, when the current numpy
     operation ends, and in the middle of ``time.sleep`` (which then sleeps
     on). System calls other than sleeps and waits restart (SA_RESTART), and
@@ -406,6 +416,7 @@ class ServiceSignal(Service):
     IDLE_MAX = 0.05  # ... and at most how seldom while the context idles
     FALLBACK = 0.05  # how often it serves itself while user code runs
     HANDOVER = 0.005  # the longest the handler waits for the watcher's serve to end
+    CPU_LOOK = 0.01  # CPU seconds of the process before the timer's first look
 
     def __init__(self, engine: Any, look: float = LOOK) -> None:
         super().__init__(engine)
@@ -419,16 +430,72 @@ class ServiceSignal(Service):
         self.pid = os.getpid()
         self.handler = self._on_signal  # one bound method: getsignal() returns this very object
         self.previous = _take_signal(signal.SIGIO, self.handler)
+        # the CPU-time timer, where SIGVTALRM is free (else the watcher alone)
+        self.armed = False
+        self.ticks = 0  # timer ticks while user code ran
+        self.ticker: Any = None
+        if _signal_free(signal.SIGVTALRM, engine):
+            self.ticker = self._on_tick
+            self.previous_tick = _take_signal(signal.SIGVTALRM, self.ticker)
         _live.add(self)
         self.thread = threading.Thread(target=self._watch, daemon=True,
                                        name=f"macroflow-service-{getattr(engine, 'id', '')}")
         self.thread.start()
+
+    def enter(self) -> None:
+        if not self.armed and self.ticker is not None and not self.stopped:
+            if signal.getsignal(signal.SIGVTALRM) is self.ticker:
+                self.armed = True
+                signal.setitimer(signal.ITIMER_VIRTUAL, self.CPU_LOOK)
+            else:
+                self.ticker = None  # user code took SIGVTALRM: the watcher alone
+        eng = self.engine
+        eng.epoch += 1
+        eng.user = True  # last: the service may run from here on
 
     def leave(self) -> None:
         self.engine.user = False  # first: nobody starts serving from here on
         if self.busy:  # then wait out the watcher's serve in progress
             self.lock.acquire()
             self.lock.release()
+
+    def _off(self) -> None:
+        """The engine's own code runs: turn signals off, unless the watcher
+        is busy (it turns them off itself at its next sample)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.signalling and not self.engine.user and not self.stopped:
+                    self._signals(False)
+            finally:
+                self.lock.release()
+
+    def _on_tick(self, signum: int, frame: Any) -> None:
+        if self.handling or os.getpid() != self.pid:
+            return
+        self.armed = False
+        if self.stopped:
+            return
+        eng = self.engine
+        if not eng.user:
+            if self.signalling:
+                self._off()
+            return  # enter() arms the timer again
+        self.ticks += 1
+        self.handling = True
+        try:
+            if self.lock.acquire(timeout=self.HANDOVER):
+                try:
+                    if eng.user and not self.stopped:
+                        if not self.signalling:
+                            self._signals(True)
+                        self.serve()  # what came before signals were on
+                finally:
+                    self.lock.release()
+            # look again later: what a signal's handler could not serve
+            self.armed = True
+            signal.setitimer(signal.ITIMER_VIRTUAL, self.FALLBACK)
+        finally:
+            self.handling = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stopped or self.handling or os.getpid() != self.pid:
@@ -440,6 +507,8 @@ class ServiceSignal(Service):
             # turned off: turn them off again, there too
             if not self.signalling:
                 eng.transport.signal_arrivals(False, again=True)
+            else:
+                self._off()
             return
         self.signals += 1
         self.handling = True
@@ -509,6 +578,11 @@ class ServiceSignal(Service):
                 except Exception:
                     pass  # closed already
         _give_back(signal.SIGIO, self.handler, self.previous)
+        if self.ticker is not None:
+            if self.armed and signal.getsignal(signal.SIGVTALRM) is self.ticker:
+                signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+            self.armed = False
+            _give_back(signal.SIGVTALRM, self.ticker, self.previous_tick)
         self.engine = None  # the handler may stay: it keeps no computation alive
 
 
@@ -621,8 +695,10 @@ def start_service(engine: Any, name: Optional[str] = None) -> Service:
     transport = getattr(engine, "transport", None)
     if name == "timer" and _signal_free(signal.SIGALRM, engine):
         return ServiceTimer(engine)
+    # a transport that has signal_arrivals says whether it can (with False:
+    # asking for no signals changes nothing)
     if name == "signal" and hasattr(transport, "signal_arrivals") and \
-            _signal_free(signal.SIGIO, engine):
+            _signal_free(signal.SIGIO, engine) and transport.signal_arrivals(False):
         return ServiceSignal(engine)
     fd = transport.fileno() if transport is not None else None
     return Service(engine) if fd is None else ServiceThread(engine, fd)

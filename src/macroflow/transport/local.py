@@ -215,11 +215,18 @@ def node_key() -> str:
         >>> node_key().startswith(socket.gethostname())
         True
     """
-    try:
-        ns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        ns = 0
-    return f"{socket.gethostname()}~{ns}"
+    global _node
+    pid = os.getpid()
+    if _node[0] != pid:  # asked for every global pointer made: once per process
+        try:
+            ns = os.stat("/proc/self/ns/net").st_ino
+        except OSError:
+            ns = 0
+        _node = (pid, f"{socket.gethostname()}~{ns}")
+    return _node[1]
+
+
+_node = (0, "")  # (the process it was computed in, node_key())
 
 
 #: the most contexts (started and added while running) one local computation can have

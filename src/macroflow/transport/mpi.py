@@ -405,6 +405,17 @@ class MpiTransport(Transport):
         # readable when a frame comes, if every peer can wake us (same host)
         return self.waker.sock.fileno() if self.waker is not None and self.woken_by_all else None
 
+    def signal_arrivals(self, on: bool, again: bool = False) -> bool:
+        """While ``on``, the kernel sends this process SIGIO when a peer wakes
+        it (see :class:`Waker`): a peer on this host sends a wake-up with
+        every frame. False, and nothing done, when some peer cannot wake
+        this rank (another host)."""
+        if self.waker is None or not self.woken_by_all:
+            return False
+        from .local import _set_async
+        _set_async(self.waker.fd, on)
+        return True
+
     def peers(self) -> List[int]:
         return [p for p in range(self.size) if p != self.ctx and p not in self.gone]
 

@@ -260,6 +260,17 @@ class MultiTransport(Transport):
     def fileno(self) -> Optional[int]:
         return None if self.blind else self.ep.fileno()
 
+    def signal_arrivals(self, on: bool, again: bool = False) -> bool:
+        """As :meth:`LocalTransport.signal_arrivals`, on every module; False
+        (and nothing changed) if one of them cannot signal arrivals."""
+        fns = [getattr(m, "signal_arrivals", None) for m in self.modules]
+        if any(f is None for f in fns):
+            return False
+        ok = True
+        for f in fns:
+            ok = f(on, again) and ok
+        return ok
+
     def peers(self) -> Optional[List[int]]:
         out: set = set()
         for m in self.modules:
