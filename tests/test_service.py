@@ -281,7 +281,7 @@ def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
     # the hook for one-sided operations: an opcode and its handler
     op = 240
     seen_r, seen_w = os.pipe()
-    monkeypatch.setitem(core.SERVED_WHILE_BUSY, op, lambda eng, src, msg: os.write(msg[1], b"!"))
+    core.register(op, lambda eng, src, msg: os.write(msg[1], b"!"), served_while_busy=True)
     r, open_gate = gate
 
     def main():
@@ -295,6 +295,7 @@ def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
     try:
         assert mf.run(main, contexts=2, transport="local") == (b"!", "ended")
     finally:
+        core.unregister(op)
         os.close(seen_r)
         os.close(seen_w)
 
