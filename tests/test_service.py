@@ -277,7 +277,7 @@ def test_an_unknown_rsr_thread_names_the_choices():
 
 
 @pytest.mark.timeout(60)
-def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
+def test_a_registered_opcode_is_served_while_busy(gate):
     # the hook for one-sided operations: an opcode and its handler
     op = 240
     seen_r, seen_w = os.pipe()

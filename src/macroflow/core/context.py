@@ -1,4 +1,4 @@
-"""The context: one address space's progress engine, object table and dataflow.
+"""The context: one address space's progress engine and dataflow.
 
 This module is the hot path. A call becomes one frame (one pickle, one send);
 on arrival it is matched with its argument tokens (Mentat's token matching, by
@@ -6,13 +6,23 @@ computation tag) and run in a pooled greenlet; its result is pickled once and
 kept here, and sent only to the contexts that asked for it (arcs and
 ``result()``). Everything a model needs goes through :class:`Engine`.
 
-Message opcodes (the first item of every header):
+The core knows no programming model. A model plugs in when it is imported:
+its messages by opcode (:func:`register`), and the kinds of CALL it serves
+with a :class:`Model` per engine (:func:`register_model`) whose
+:class:`CallKind` objects decide where and when a call runs. The object model
+(persistent, create and regular calls) lives in ``objects/hosting.py``.
+
+Message opcodes (the first item of every header), all registered by the core
+itself (CALL and VALUE are handled by the engine's loop, the others through
+:data:`HANDLERS`):
 
 ========  ==============================================================
-CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, route,
-          caller), where caller names the thread of control that issued it (the
-          issuing invocation's fid, or the context id for its root): calls of one
-          caller run on an object in the order issued
+CALL      run a call: (op, fid, kind, target, method, args, kwargs, arcs, route,
+          caller); ``kind`` names the CallKind that serves it (SYSTEM, the
+          core's; the others a model's), and caller names the thread of
+          control that issued it (the issuing invocation's fid, or the context
+          id for its root): calls of one caller run on an object in the order
+          issued
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label; the consumer
@@ -30,15 +40,20 @@ FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
 PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
           call fid waits for, and report a cycle if the probe comes back to
           the initiator (edge chasing, after Chandy, Misra and Haas)
+MEMBERS   contexts up to (op, size) - 1 exist (contexts added while running)
+JOINED    a context added while running reports in: (op, its description)
 ========  ==============================================================
+
+Opcodes 12..255 are free for models (:func:`register`).
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
 Service while user code runs: a method that computes for seconds does not
 hold its context's requests. The messages that need no user code (the
-opcodes of :data:`SERVED_WHILE_BUSY`: value requests and forwards, releases,
-at-once remote service requests) are served by the context's service
-mechanism (:mod:`macroflow.core.threads`) while the method runs; everything
+opcodes registered with ``served_while_busy``, :data:`SERVED_WHILE_BUSY`:
+value requests and forwards, releases, at-once remote service requests) are
+served by the context's service mechanism (:mod:`macroflow.core.threads`)
+while the method runs; everything
 else waits in the inbox, in arrival order, for the engine's own loop.
 ``Engine.user`` says when user code runs; the engine methods that user code
 calls (see ``Engine._from_user``) keep the service mechanism out while they run.
