@@ -673,7 +673,7 @@ class Engine:
         if handler is None:
             self._unknown_kind(call, src)
             return
-        if handler.arrived(call, msg, src):
+        if handler.moves and handler.arrived(call, msg, src):
             return  # passed on to another context
         if src != self.id:
             self.active += 1
@@ -1490,12 +1490,16 @@ class CallKind:
         (True, None)
     """
 
+    #: True if :meth:`arrived` may pass calls on (the engine asks only then)
+    moves = False
+
     def __init__(self, eng: "Engine"):
         self.eng = eng
 
     def arrived(self, call: Call, msg: tuple, src: int) -> bool:
         """Before the call is counted or its arguments asked for: return True
-        if the kind passed it on elsewhere (``engine._move``)."""
+        if the kind passed it on elsewhere (``engine._move``). Asked only if
+        :attr:`moves` is True."""
         return False
 
     def accept(self, call: Call) -> None:

@@ -353,13 +353,13 @@ class ObjectCalls(CallKind):
 
     def accept(self, call: Call) -> None:
         host = self.host
-        kind, target, method = call.kind, call.target, call.method
+        target = call.target
         oid = target[0]
         obj = host.objects.get(oid)
         if obj is None:
             obj = host._unknown_object(oid, call, target)
         call.obj = obj
-        if kind == CREATE:
+        if call.kind == CREATE:
             obj.cls = target[1]
             obj.guarded = _guarded_methods(target[1])
             obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
@@ -368,7 +368,7 @@ class ObjectCalls(CallKind):
             if obj.queued > 1:
                 _reclassify(obj)  # calls that came first were sorted without the class
         elif not obj.busy and not obj.queued and not call.missing and obj.state == "live" \
-                and method not in obj.guarded:
+                and call.method not in obj.guarded:
             obj.busy = True  # idle, nothing queued, no guard: run it now
             self.eng.spawn(host._run_object, obj, call)
             return
@@ -433,6 +433,8 @@ class RegularCalls(CallKind):
     def __init__(self, host: ObjectHost):
         super().__init__(host.eng)
         self.host = host
+
+    moves = True
 
     def arrived(self, call: Call, msg: tuple, src: int) -> bool:
         return not call.route & PINNED and self._maybe_transfer(call, msg, src)
