@@ -178,3 +178,21 @@ def test_a_registered_call_kind_serves_calls_with_dataflow_arguments(run, transp
         return second.result(timeout=30), mf.stats()[1].get("twice_model")
 
     assert run(main, contexts=3) == ((2, (1, 10, 1, 10)), True)
+
+
+class _Thief(core.Model):
+    def __init__(self, eng):
+        super().__init__(eng)
+        self.kinds = {core.SYSTEM: _Twice(eng)}
+
+
+def test_a_model_that_claims_a_served_call_kind_is_refused():
+    core.register_model("thief", _Thief)
+    try:
+        with pytest.raises(ValueError, match="model 'thief' serves kinds \\['s'\\]"):
+            with mf.init(contexts=1, transport="inproc"):
+                pass
+    finally:
+        core.unregister_model("thief")
+    with mf.init(contexts=1, transport="inproc"):
+        assert "thief" not in core.current_engine().models

@@ -137,9 +137,9 @@ class Call:
         self.caller = caller
         self.missing = 0
         self.tokens: Optional[Dict[Any, Any]] = None
-        self.obj: Any = None
+        self.obj: Any = None  # what its kind runs it on (a hosted object), if anything
         self.answered = False  # rtf already gave the result
-        self.order = 0  # arrival order at its object
+        self.order = 0  # arrival order where its kind queues it (at its object)
         self.waiting: Optional[Future] = None  # what its thread waits for (deadlock probes)
 
 
@@ -165,20 +165,24 @@ class Slot:
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
 _get_ident = threading.get_ident
+#: Files of models whose frames, like the core's, a remote traceback leaves
+#: out when they called the user's code (a model adds its own: ``__file__``).
+RUNTIME_FILES: set = set()
 
 
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and \
-            tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR):
+            (tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR)
+             or tb.tb_frame.f_code.co_filename in RUNTIME_FILES):
         tb = tb.tb_next
     tb = "".join(traceback.format_exception(type(exc), exc, tb))
     return f'Traceback from context {ctx}:\n{tb}'
 
 
 class Engine:
-    """The progress engine and object table of one context.
+    """The progress engine of one context (the models' parts: ``models``).
 
     Users never build one: :func:`macroflow.run` and :func:`macroflow.init` do.
     ``current_engine()`` returns the one serving the running code.
@@ -262,6 +266,11 @@ class Engine:
         self.models: Dict[str, Model] = {}
         for name, factory in MODELS.items():
             model = self.models[name] = factory(self)
+            taken = [k for k in model.kinds if k in self.call_kinds] + \
+                [k for k in model.pointers if k in self.pointer_kinds or k == "export"]
+            if taken:
+                raise ValueError(f"model {name!r} serves kinds {taken} that another model "
+                                 f"(or the core) serves already")
             self.call_kinds.update(model.kinds)
             for kind in model.pointers:
                 self.pointer_kinds[kind] = model

@@ -28,8 +28,8 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
-from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, Call, CallKind, Engine,
-                            Model, register_model)
+from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, RUNTIME_FILES, Call,
+                            CallKind, Engine, Model, register_model)
 from ..core.future import CoroutineType, run_coroutine, site_label
 from ..core.threads import INTERRUPTS, getcurrent
 
@@ -564,3 +564,4 @@ def _guarded_methods(cls) -> frozenset:
 
 
 register_model(ObjectHost.name, ObjectHost)
+RUNTIME_FILES.add(__file__)  # remote tracebacks start at the user's code, not here
