@@ -678,8 +678,9 @@ class Engine:
             self.seen[src] = fid[1]
             if self.call_watch and src in self.call_watch:
                 self.call_watch.pop(src)(src)
-        handler = self.call_kinds.get(kind)
-        if handler is None:
+        try:
+            handler = self.call_kinds[kind]
+        except KeyError:
             self._unknown_kind(call, src)
             return
         if handler.moves and handler.arrived(call, msg, src):
