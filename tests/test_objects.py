@@ -881,6 +881,46 @@ def test_remote_traceback_starts_in_user_code(run):
     assert "core/context.py" not in first_frame and "test_objects.py" in first_frame
 
 
+@mf.persistent
+class FailsToStart:
+    def __init__(self):
+        raise ValueError("no start")
+
+
+@mf.regular
+class RegularFailsToStart:
+    def __init__(self):
+        raise ValueError("no start")
+
+    def m(self):
+        return 1
+
+
+def _divide_by(self, x):
+    return 1 / x
+
+
+@mf.persistent
+class FailingGuard:
+    @mf.guard(_divide_by)
+    def guarded(self, x):
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_remote_tracebacks_of_constructors_and_guards_start_in_user_code(run):
+    def main():
+        return [mf.info(FailsToStart.create(on=1)).created.exception(),
+                RegularFailsToStart.create(on=1).m().exception(),
+                FailingGuard.create(on=1).guarded(0).exception()]
+
+    errs = run(main, contexts=2)
+    assert [type(e) for e in errs] == [ValueError, ValueError, ZeroDivisionError]
+    for err in errs:
+        first_frame = err.__cause__.text.splitlines()[2]
+        assert "macroflow" not in first_frame and "test_objects.py" in first_frame, first_frame
+
+
 def test_large_receive_buffers_are_reused_once_dropped():
     def main():
         b = Box.create(on=1)

@@ -338,11 +338,11 @@ def test_an_unknown_rsr_thread_names_the_choices():
 
 
 @pytest.mark.timeout(60)
-def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
+def test_a_registered_opcode_is_served_while_busy(gate):
     # the hook for one-sided operations: an opcode and its handler
     op = 240
     seen_r, seen_w = os.pipe()
-    monkeypatch.setitem(core.SERVED_WHILE_BUSY, op, lambda eng, src, msg: os.write(msg[1], b"!"))
+    core.register(op, lambda eng, src, msg: os.write(msg[1], b"!"), served_while_busy=True)
     r, open_gate = gate
 
     def main():
@@ -356,6 +356,7 @@ def test_a_registered_opcode_is_served_while_busy(monkeypatch, gate):
     try:
         assert mf.run(main, contexts=2, transport="local") == (b"!", "ended")
     finally:
+        core.unregister(op)
         os.close(seen_r)
         os.close(seen_w)
 

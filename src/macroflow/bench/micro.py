@@ -101,8 +101,9 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.core import marshal
-from macroflow.core.context import CALL, PERSISTENT, RELEASE, SYSTEM, Call, Slot, current_engine
+from macroflow.core.context import CALL, RELEASE, SYSTEM, Call, Slot, current_engine
 from macroflow.core.future import CallSite, Future
+from macroflow.objects.hosting import PERSISTENT
 
 from . import baselines
 

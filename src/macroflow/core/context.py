@@ -1,4 +1,4 @@
-"""The context: one address space's progress engine, object table and dataflow.
+"""The context: one address space's progress engine and dataflow.
 
 This module is the hot path. A call becomes one frame (one pickle, one send);
 on arrival it is matched with its argument tokens (Mentat's token matching, by
@@ -6,13 +6,23 @@ computation tag) and run in a pooled greenlet; its result is pickled once and
 kept here, and sent only to the contexts that asked for it (arcs and
 ``result()``). Everything a model needs goes through :class:`Engine`.
 
-Message opcodes (the first item of every header):
+The core knows no programming model. A model plugs in when it is imported:
+its messages by opcode (:func:`register`), and the kinds of CALL it serves
+with a :class:`Model` per engine (:func:`register_model`) whose
+:class:`CallKind` objects decide where and when a call runs. The object model
+(persistent, create and regular calls) lives in ``objects/hosting.py``.
+
+Message opcodes (the first item of every header), all registered by the core
+itself (CALL and VALUE are handled by the engine's loop, the others through
+:data:`HANDLERS`):
 
 ========  ==============================================================
-CALL      run a method: (op, fid, kind, target, method, args, kwargs, arcs, route,
-          caller), where caller names the thread of control that issued it (the
-          issuing invocation's fid, or the context id for its root): calls of one
-          caller run on an object in the order issued
+CALL      run a call: (op, fid, kind, target, method, args, kwargs, arcs, route,
+          caller); ``kind`` names the CallKind that serves it (SYSTEM, the
+          core's; the others a model's), and caller names the thread of
+          control that issued it (the issuing invocation's fid, or the context
+          id for its root): calls of one caller run on an object in the order
+          issued
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label; the consumer
@@ -30,15 +40,20 @@ FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
 PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
           call fid waits for, and report a cycle if the probe comes back to
           the initiator (edge chasing, after Chandy, Misra and Haas)
+MEMBERS   contexts up to (op, size) - 1 exist (contexts added while running)
+JOINED    a context added while running reports in: (op, its description)
 ========  ==============================================================
+
+Opcodes 12..255 are free for models (:func:`register`).
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
 Service while user code runs: a method that computes for seconds does not
 hold its context's requests. The messages that need no user code (the
-opcodes of :data:`SERVED_WHILE_BUSY`: value requests and forwards, releases,
-at-once remote service requests) are served by the context's service
-mechanism (:mod:`macroflow.core.threads`) while the method runs; everything
+opcodes registered with ``served_while_busy``, :data:`SERVED_WHILE_BUSY`:
+value requests and forwards, releases, at-once remote service requests) are
+served by the context's service mechanism (:mod:`macroflow.core.threads`)
+while the method runs; everything
 else waits in the inbox, in arrival order, for the engine's own loop.
 ``Engine.user`` says when user code runs; the engine methods that user code
 calls (see ``Engine._from_user``) keep the service mechanism out while they run.
@@ -49,7 +64,6 @@ from __future__ import annotations
 import array
 import math
 import numbers
-import bisect
 import copy
 import heapq
 import itertools
@@ -73,10 +87,9 @@ CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOIN
 RSR_NOW = 11
 _encode = marshal._encoder.dumps
 
-# kinds of call targets
-PERSISTENT, REGULAR, CREATE, SYSTEM = "p", "r", "c", "s"
-
-DESTROY = "__mf_destroy__"
+# the call kind the core serves itself: a function of the engine, by name
+# (see SYSTEM_CALLS); models register theirs (see register_model)
+SYSTEM = "s"
 RELEASE_BATCH = 64
 BIG_VALUE = 1 << 20  # futures of values this large are released without batching
 EARLY_MAX = 4096  # unclaimed early values kept at most (their futures may be gone)
@@ -90,6 +103,8 @@ _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
 _TIMEOUT = object()
 _MISSING = object()
+#: What Model.resolve returns when a global pointer names nothing here.
+MISSING = _MISSING
 
 
 class Arc:
@@ -122,9 +137,9 @@ class Call:
         self.caller = caller
         self.missing = 0
         self.tokens: Optional[Dict[Any, Any]] = None
-        self.obj: Any = None
+        self.obj: Any = None  # what its kind runs it on (a hosted object), if anything
         self.answered = False  # rtf already gave the result
-        self.order = 0  # arrival order at its object
+        self.order = 0  # arrival order where its kind queues it (at its object)
         self.waiting: Optional[Future] = None  # what its thread waits for (deadlock probes)
 
 
@@ -148,68 +163,26 @@ class Slot:
         self.call: Optional[Call] = None  # the invocation computing it, while it runs here
 
 
-class HostedObject:
-    """A persistent object living in this context: a monitor with a call queue.
-
-    The queue is kept so that choosing the next call never rescans calls that
-    cannot run: a call whose arguments are missing waits in its caller's
-    *lane* with every later call of that caller (per-caller order), and costs
-    nothing until its argument arrives; calls that may run wait in ``ready``
-    (a heap by arrival order) or, if their method has a guard, in ``gready``
-    (sorted by arrival), whose guards are evaluated when the object picks.
-    """
-
-    __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
-                 "arrivals", "busy", "state", "error", "label", "guarded", "running")
-
-    def __init__(self, oid, label):
-        self.oid = oid
-        self.cls = None
-        self.instance = None
-        self.create: Optional[Call] = None  # the constructor call, until it runs
-        self.lanes: Dict[Any, Deque[Call]] = {}  # caller -> its calls from the first blocked one
-        self.ready: List[Tuple[int, Call]] = []  # heap of unguarded calls that may run
-        self.gready: List[Tuple[int, Call]] = []  # guarded calls that may run, by arrival
-        self.queued = 0  # calls waiting in lanes, ready and gready
-        self.arrivals = 0
-        self.busy = False
-        self.running: Optional[Call] = None
-        self.state = "new"  # new -> live | broken -> destroyed; missing: never created here
-        self.error: Optional[BaseException] = None
-        self.label = label
-        self.guarded: frozenset = frozenset()  # names of methods with a guard
-
-
-def _describe(target, method) -> str:
-    cls = target[1] if isinstance(target, tuple) and len(target) > 1 else None
-    name = getattr(cls, "__qualname__", None) or "object"
-    return f"{name}.{method}" if method else name
-
-
-def _call_label(call: "Call") -> str:
-    if call.obj is not None:
-        return f"{call.obj.label}.{call.method}"
-    if call.kind == REGULAR:
-        return f"{getattr(call.target[0], '__qualname__', 'object')}.{call.method}"
-    return str(call.method)
-
-
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
 _get_ident = threading.get_ident
+#: Files of models whose frames, like the core's, a remote traceback leaves
+#: out when they called the user's code (a model adds its own: ``__file__``).
+RUNTIME_FILES: set = set()
 
 
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and \
-            tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR):
+            (tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR)
+             or tb.tb_frame.f_code.co_filename in RUNTIME_FILES):
         tb = tb.tb_next
     tb = "".join(traceback.format_exception(type(exc), exc, tb))
     return f'Traceback from context {ctx}:\n{tb}'
 
 
 class Engine:
-    """The progress engine and object table of one context.
+    """The progress engine of one context (the models' parts: ``models``).
 
     Users never build one: :func:`macroflow.run` and :func:`macroflow.init` do.
     ``current_engine()`` returns the one serving the running code.
@@ -245,17 +218,13 @@ class Engine:
         self.eager: Dict[Any, Any] = {}  # fid -> weakref of futures whose value comes unasked
         self.early: Dict[Any, Any] = {}  # values that came before anyone asked (rtf)
         self.adopted: Dict[Any, Any] = {}  # weak map fid -> Future for futures received by value
-        self.objects: Dict[Any, HostedObject] = {}
-        # Calls to an object id with no object here: the constructor is on its
-        # way, or the object is gone. Frames from one context arrive in the
-        # order sent, so once a later call from the object's creator has come,
-        # its constructor would have come too: `seen` holds the highest call
-        # number received from each context, `unborn` the ids still waiting.
+        # Frames from one context arrive in the order sent: `seen` holds the
+        # highest call number received from each context, and `call_watch`
+        # what a model wants told (once) when a later call comes from one
+        # (the object model: a constructor that would have come by then)
         self.seen: Dict[int, int] = {}
-        self.unborn: Dict[int, List[Any]] = {}
-        self.tombstones: Dict[Any, str] = {}  # recently removed objects: their labels
+        self.call_watch: Dict[int, Callable[[int], None]] = {}
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
-        self.regular_pool: Dict[Any, List[Any]] = {}
         self.releases: Dict[int, List[Any]] = {}
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
@@ -290,6 +259,21 @@ class Engine:
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
         self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
+        # the programming models' parts of this engine (see register_model):
+        # the kinds of CALL each serves, and the global pointer kinds it resolves
+        self.call_kinds: Dict[str, CallKind] = {SYSTEM: SystemCalls(self)}
+        self.pointer_kinds: Dict[str, Model] = {}
+        self.models: Dict[str, Model] = {}
+        for name, factory in MODELS.items():
+            model = self.models[name] = factory(self)
+            taken = [k for k in model.kinds if k in self.call_kinds] + \
+                [k for k in model.pointers if k in self.pointer_kinds or k == "export"]
+            if taken:
+                raise ValueError(f"model {name!r} serves kinds {taken} that another model "
+                                 f"(or the core) serves already")
+            self.call_kinds.update(model.kinds)
+            for kind in model.pointers:
+                self.pointer_kinds[kind] = model
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost)
             if transport.fileno() is not None:  # inproc: nothing runs while a method does
@@ -513,13 +497,9 @@ class Engine:
         w = getcurrent()
         if isinstance(w, Worker):
             call = w.call
-            if call is not None and call.obj is not None and f._target == call.obj.oid:
-                raise errors.DeadlockError(
-                    f"{call.obj.label}.{call.method} waits on a call to its own object "
-                    f"({site_label(f._site) or 'a method'}); a persistent object runs one method at a "
-                    f"time, so that call can never start. Return the future instead "
-                    f"(elaboration) or restructure the method.")
             eng = w.engine
+            if call is not None:
+                eng.call_kinds[call.kind].check_wait(call, f)  # a wait that can never end raises
             waiter = Waiter(eng, w)
             f._waiters.append(waiter)
             if timeout is not None:
@@ -679,31 +659,13 @@ class Engine:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, src: int, msg: tuple) -> None:
-        op = msg[0]  # CALL, the commonest, is handled in _process before this
-        if op == FORWARD:
-            self._on_forward(msg[1], msg[2], msg[3])
-        elif op == RELEASE:
-            self._on_release(_unpack_release(msg[1]))
-        elif op == RSR:
-            self._on_rsr(msg)
-        elif op == READY:
-            self._on_ready(msg[1])
-        elif op == SHUTDOWN:
-            self.stopping = True
-        elif op == FATAL:
-            self.fatal[src] = msg[1]
-        elif op == PROBE:
-            self._on_probe(msg[1], msg[2], msg[3])
-        elif op == MEMBERS:
-            self.grow(msg[1])
-        elif op == JOINED:
-            self.joined[src] = msg[1]
-            if self.on_joined is not None:
-                self.on_joined(src)
+        # CALL, the commonest, is handled in _process before this
+        handler = HANDLERS.get(msg[0])
+        if handler is not None:
+            handler(self, src, msg)
         else:
-            served = SERVED_WHILE_BUSY.get(op)
-            if served is not None:
-                served(self, src, msg)
+            print(f"macroflow: context {self.id} got a message with opcode {msg[0]!r} from "
+                  f"context {src}, which nothing registered; dropped", file=sys.stderr)
 
     def _undecodable(self, src: int, bufs: List[Any], e: BaseException) -> Optional[tuple]:
         """A message that could not be unpickled here (a class this process
@@ -719,7 +681,9 @@ class Engine:
         what = f"the arguments of {method}()" if method else "the constructor's arguments"
         err = errors.CallError(f"context {self.id} could not unpickle {what}, sent by "
                                f"context {src}: {type(e).__name__}: {e}")
-        if kind == REGULAR:
+        if type(target) is tuple and target and target[0] is marshal.StandIn:
+            # a class this process cannot rebuild (a stateless object's): one
+            # whose methods fail with the reason
             target = (_Unreadable.of(err), (), {})
         return (CALL, fid, kind, target, method, _Unreadable.of(err)(), {}, (),
                 route | PINNED, caller)
@@ -733,10 +697,15 @@ class Engine:
         slot.call = call
         if src == fid[0] and fid[1] > self.seen.get(src, 0):
             self.seen[src] = fid[1]
-            if self.unborn and src in self.unborn:
-                self._check_unborn(src)
-        if kind == REGULAR and not route & PINNED and self._maybe_transfer(call, msg, src):
+            if self.call_watch and src in self.call_watch:
+                self.call_watch.pop(src)(src)
+        try:
+            handler = self.call_kinds[kind]
+        except KeyError:
+            self._unknown_kind(call, src)
             return
+        if handler.moves and handler.arrived(call, msg, src):
+            return  # passed on to another context
         if src != self.id:
             self.active += 1
         if arcs:
@@ -754,100 +723,15 @@ class Engine:
                     self._on_forward(label[0], self.id, label)
                 else:
                     self.send(home, (FORWARD, label[0], self.id, label))
-        if kind == PERSISTENT or kind == CREATE:
-            oid = target[0]
-            obj = self.objects.get(oid)
-            if obj is None:
-                obj = self._unknown_object(oid, call, target)
-            call.obj = obj
-            if kind == CREATE:
-                obj.cls = target[1]
-                obj.guarded = _guarded_methods(target[1])
-                obj.label = f"{getattr(target[1], '__qualname__', 'object')}"
-                obj.create = call
-                obj.queued += 1
-                if obj.queued > 1:
-                    _reclassify(obj)  # calls that came first were sorted without the class
-            elif not obj.busy and not obj.queued and not call.missing and obj.state == "live" \
-                    and method not in obj.guarded:
-                obj.busy = True  # idle, nothing queued, no guard: run it now
-                self.spawn(self._run_object, obj, call)
-                return
-            else:
-                _enqueue(obj, call)
-            self._pump(obj)
-        elif call.missing == 0:
-            self._start_free(call)
+        handler.accept(call)
 
-    def _unknown_object(self, oid, call: Call, target) -> HostedObject:
-        obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
-        if call.kind == CREATE:
-            return obj
-        label = self.tombstones.get(oid)
-        if label is not None:
-            obj.label, obj.state = label, "destroyed"
-        elif self.seen.get(oid[0], 0) >= oid[1]:
-            obj.state = "missing"
-        else:
-            self.unborn.setdefault(oid[0], []).append(oid)  # its constructor is on its way
-        return obj
-
-    def _check_unborn(self, creator: int) -> None:
-        waiting = self.unborn.pop(creator)
-        seen = self.seen[creator]
-        for oid in waiting:
-            obj = self.objects.get(oid)
-            if obj is None or obj.state != "new" or obj.create is not None:
-                continue
-            if oid[1] >= seen:  # equal: this is the constructor arriving
-                self.unborn.setdefault(creator, []).append(oid)
-                continue
-            obj.state = "missing"  # its constructor would have come by now
-            self._pump(obj)
-
-    def _forget_object(self, obj: HostedObject) -> None:
-        # a destroyed object leaves once its last call has run
-        if self.objects.get(obj.oid) is obj:
-            del self.objects[obj.oid]
-            if len(self.tombstones) >= EARLY_MAX:
-                del self.tombstones[next(iter(self.tombstones))]
-            self.tombstones[obj.oid] = obj.label
-
-    def _start_free(self, call: Call) -> None:
-        if self.timed_wait and call.kind == REGULAR and not call.route & PINNED \
-                and self._offload(call):
-            return
-        self.spawn(self._run_free, call)
-
-    def _offload(self, call: Call) -> bool:
-        """Main waits here with a timeout: a regular call that could run anywhere
-        goes to another context, so that it cannot hold main past its deadline."""
-        dest = self.placement.choose(self, exclude=self.id)
-        if dest is None or dest == self.id:
-            return False
-        try:
-            args, kwargs = self._args(call)
-        except BaseException:
-            return False  # an argument failed: failing the call here is quick
-        route = (call.route & EAGER) | PINNED
-        self.active -= 1
-        self._move(call, dest, (CALL, call.fid, call.kind, call.target, call.method, args,
-                                kwargs, None, route, call.caller))
-        return True
-
-    def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
-        pl = self.placement
-        hops = msg[8] >> 2
-        # a call from here was counted when issued, a remote one not yet
-        if hops >= pl.transfer_limit or self.load() - (src == self.id) < pl.threshold:
-            return False
-        dest = pl.choose(self, exclude=self.id)
-        if dest is None or dest == self.id:
-            return False
-        if src == self.id:
-            self.active -= 1
-        self._move(call, dest, (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9]))
-        return True
+    def _unknown_kind(self, call: Call, src: int) -> None:
+        # no model here serves it: fail it rather than leave its caller waiting
+        if src != self.id:
+            self.active += 1
+        self._finish(call, False, errors.CallError(
+            f"context {self.id} serves no call kind {call.kind!r} (for {call.method!r}); "
+            f"it serves {sorted(self.call_kinds)}"))
 
     def _move(self, call: Call, dest: int, frame: tuple) -> None:
         """Hand ``call`` (received here, not started) to ``dest`` as ``frame``:
@@ -864,178 +748,6 @@ class Engine:
             # the new home sends the value to the caller unasked; should it be
             # lost first, this context tells the caller
             slot.subs.append((call.fid[0], (call.fid, None)))
-
-    def _pump(self, obj: HostedObject) -> None:
-        if obj.busy:
-            return
-        call = self._pick(obj)
-        if call is not None:
-            obj.busy = True
-            self.spawn(self._run_object, obj, call)
-
-    def _pick(self, obj: HostedObject) -> Optional[Call]:
-        if obj.state == "new":
-            # nothing runs before the constructor, which may still be on its way
-            call = obj.create
-            if call is None or call.missing:
-                return None
-            obj.create = None
-            obj.queued -= 1
-            self.stats.calls_examined += 1
-            return call
-        ready, gready = obj.ready, obj.gready
-        while gready:
-            first = ready[0][0] if ready else None
-            if obj.state != "live":  # no guards: every call fails in arrival order
-                if first is None or gready[0][0] < first:
-                    obj.queued -= 1
-                    self.stats.calls_examined += 1
-                    return gready.pop(0)[1]
-                break
-            # guarded calls that came before the first unguarded one, in arrival order
-            st = self.stats
-            failed = False
-            for i, (order, call) in enumerate(gready):
-                if first is not None and order > first:
-                    break
-                meth = getattr(obj.cls, call.method, None)
-                guard = meth.__mf_guard__
-                st.calls_examined += 1
-                st.guards_evaluated += 1
-                try:
-                    # bool() here: a value without a truth value (a numpy array) fails the call
-                    if meth.__mf_guard_args__:
-                        ok = bool(guard(obj.instance, *self._fill(call.args, call),
-                                        **self._fill_kw(call)))
-                    else:
-                        ok = bool(guard(obj.instance))
-                except INTERRUPTS:
-                    raise
-                except BaseException as e:  # a failing guard fails its call
-                    del gready[i]
-                    obj.queued -= 1
-                    self._finish(call, False, e)
-                    failed = True
-                    break  # look again: the list changed
-                if ok:
-                    del gready[i]
-                    obj.queued -= 1
-                    return call
-                # later calls whose guards hold may pass this one
-            if not failed:
-                break
-        if ready:
-            obj.queued -= 1
-            self.stats.calls_examined += 1
-            return heapq.heappop(ready)[1]
-        return None
-
-    def _run_object(self, obj: HostedObject, call: Call) -> None:
-        g = getcurrent()
-        while call is not None:
-            g.call = obj.running = call
-            if obj.state == "live" and call.kind == PERSISTENT and call.method != DESTROY:
-                # the common case, one call deep: a method of a live object
-                self._invoke(getattr(obj.instance, call.method, None), call)
-            else:
-                self._execute_on_object(obj, call)
-            g.call = obj.running = None
-            call = self._pick(obj) if obj.queued else None
-        obj.busy = False
-        if obj.state in _GONE and not obj.queued:
-            self._forget_object(obj)
-
-    def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
-        if call.kind == CREATE:
-            cls = call.target[1]
-            self.stats.calls_executed += 1
-            try:
-                args, kwargs = self._args(call)
-                inst = cls.__new__(cls)
-                svc = self.service
-                if svc is None:
-                    inst.__init__(*args, **kwargs)
-                else:
-                    svc.enter()
-                    try:
-                        inst.__init__(*args, **kwargs)
-                    finally:
-                        svc.leave()
-            except INTERRUPTS:
-                raise
-            except BaseException as e:
-                obj.state, obj.error = "broken", e
-                self._finish(call, False, e)
-                return
-            obj.instance = inst
-            obj.state = "live"
-            self._finish(call, True, None)
-            return
-        if obj.state != "live":
-            if obj.state == "broken" and call.method == DESTROY:
-                obj.state = "destroyed"  # an object whose constructor failed can go
-                self._finish(call, True, None)
-                return
-            self._finish(call, False, self._dead_object_error(obj, call))
-            return
-        if call.method == DESTROY:
-            obj.state = "destroyed"
-            inst, obj.instance = obj.instance, None
-            hook = getattr(inst, "__mf_destroy__", None)
-            ok, err = True, None
-            if hook is not None:
-                try:
-                    r = hook()
-                    if isinstance(r, CoroutineType):
-                        run_coroutine(r)
-                except INTERRUPTS:
-                    raise
-                except BaseException as e:  # the object is gone all the same
-                    ok, err = False, e
-            self._finish(call, ok, err)
-            return
-        self._invoke(getattr(obj.instance, call.method, None), call)
-
-    def _dead_object_error(self, obj: HostedObject, call: Call) -> errors.ObjectDestroyed:
-        what = "destroy()" if call.method == DESTROY else f"{call.method}()"
-        if obj.state == "broken":
-            err = errors.ObjectDestroyed(f"{obj.label} could not be created, so {what} cannot "
-                                         f"run: {type(obj.error).__name__}: {obj.error}")
-            err.__cause__ = obj.error
-            return err
-        if obj.state == "missing":
-            return errors.ObjectDestroyed(
-                f"no object {obj.oid[0]}.{obj.oid[1]} on context {self.id} "
-                f"(destroyed, or never created here), so {what} cannot run")
-        if call.method == DESTROY:
-            return errors.ObjectDestroyed(f"{obj.label} {obj.oid[0]}.{obj.oid[1]} was already destroyed")
-        return errors.ObjectDestroyed(f"{obj.label} {obj.oid[0]}.{obj.oid[1]} was destroyed; "
-                                      f"{what} cannot run")
-
-    def _run_free(self, call: Call) -> None:
-        g = getcurrent()
-        g.call = call
-        if call.kind == REGULAR:
-            cls, cargs, ckw = call.target
-            key = (cls, marshal.dumps((cargs, ckw))[0]) if (cargs or ckw) else cls
-            free = self.regular_pool.get(key)
-            inst = free.pop() if free else None
-            if inst is None:
-                try:
-                    inst = cls.__mf_new__(cls)
-                    inst.__init__(*cargs, **ckw)
-                except INTERRUPTS:
-                    raise
-                except BaseException as e:
-                    self._finish(call, False, e)
-                    return
-                self.stats.instances_created += 1
-            try:
-                self._invoke(getattr(inst, call.method, None), call)
-            finally:
-                self.regular_pool.setdefault(key, []).append(inst)
-        elif call.kind == SYSTEM:
-            self._invoke(SYSTEM_CALLS.get(call.method), call, self)
 
     def _invoke(self, fn, call: Call, *pre) -> None:
         if fn is None:
@@ -1284,22 +996,7 @@ class Engine:
         call.missing -= 1
         if call.missing:
             return
-        obj = call.obj
-        if obj is not None:
-            if obj.create is not call:
-                lane = obj.lanes.get(call.caller)
-                if lane is not None and lane[0] is call:
-                    # the caller's first blocked call is free: so are the calls
-                    # behind it, up to the next one still missing an argument
-                    lane.popleft()
-                    _make_eligible(obj, call)
-                    while lane and not lane[0].missing:
-                        _make_eligible(obj, lane.popleft())
-                    if not lane:
-                        del obj.lanes[call.caller]
-            self._pump(obj)
-        else:
-            self._start_free(call)
+        self.call_kinds[call.kind].arguments_ready(call)
 
     def _on_ready(self, fid) -> None:
         ref = self.eager.pop(fid, None)
@@ -1332,10 +1029,9 @@ class Engine:
         except Exception:
             traceback.print_exc()
         self.stats.rsr_executed += 1
-        if gid[0] == "object":
-            obj = self.objects.get(gid[1])
-            if obj is not None:
-                self._pump(obj)  # the handler may have changed what the guards see
+        model = self.pointer_kinds.get(gid[0])
+        if model is not None:
+            model.served(gid[0], gid[1])  # the handler may have changed its target
 
     def _rsr_dropped(self, gid, handler) -> None:
         self.stats.rsr_dropped += 1
@@ -1360,18 +1056,11 @@ class Engine:
         finally:
             self.in_inline = inline
         self.stats.rsr_executed += 1
-        if gid[0] == "object":
-            obj = self.objects.get(gid[1])
-            if obj is None:
-                return
-            if self._in_serve:
-                # the handler may have changed what the guards see, but no
-                # method may start from here (a method computes, or called
-                # mf.poll()): the engine's loop looks again
-                data, bufs = marshal.dumps((RSR, gid, _nothing, (), "inline"))
-                self.inbox.append((self.id, [data, *bufs], self.load()))
-            else:
-                self._pump(obj)
+        model = self.pointer_kinds.get(gid[0])
+        if model is not None:
+            # the handler may have changed its target; with self._in_serve,
+            # nothing may start from here (a method computes, or called mf.poll())
+            model.served(gid[0], gid[1])
 
     # ------------------------------------------------------------------ service while busy
     def _from_user(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -1457,11 +1146,11 @@ class Engine:
 
     def resolve(self, gid) -> Any:
         kind, ident = gid
-        if kind == "object":
-            obj = self.objects.get(ident)
-            return obj.instance if obj is not None and obj.state == "live" else _MISSING
         if kind == "export":
             return self.exports.get(ident, _MISSING)
+        model = self.pointer_kinds.get(kind)
+        if model is not None:
+            return model.resolve(kind, ident)
         return self
 
     # ------------------------------------------------------------------ deadlocks
@@ -1486,7 +1175,7 @@ class Engine:
         self.next_probe = now + PROBE_AFTER
         for fid, (call, f, _, since) in list(self.blocked.items()):
             if force or now - since >= PROBE_AFTER:
-                path = [(fid, _call_label(call), self.id, "waits for")]
+                path = [(fid, self._call_label(call), self.id, "waits for")]
                 self._probe(fid, f._fid, f._home, path)
 
     def _probe(self, init, fid, home: int, path: list) -> None:
@@ -1522,7 +1211,7 @@ class Engine:
                     break
                 if len(path) >= PROBE_PATH_MAX:
                     break
-                label = _call_label(call)
+                label = self._call_label(call)
                 f = call.waiting
                 if f is not None:  # its thread waits for a future
                     path = path + [(call.fid, label, self.id, "waits for")]
@@ -1531,9 +1220,6 @@ class Engine:
                         break
                     fid = f._fid
                     continue
-                obj = call.obj
-                if obj is not None and obj.running is call:
-                    break  # it computes: no cycle through it
                 if call.missing:  # it waits for arguments: follow each producer
                     path = path + [(call.fid, label, self.id, "waits for an argument from")]
                     for lab, home in call.arcs or ():
@@ -1543,14 +1229,16 @@ class Engine:
                             else:
                                 self._probe(init, lab[0], home, path)
                     break
-                if obj is None:
-                    break
-                lane = obj.lanes.get(call.caller)
-                ahead = lane[0] if lane and lane[0] is not call else obj.running if obj.busy else None
+                kind = self.call_kinds.get(call.kind)
+                ahead = kind.queued_behind(call) if kind is not None else None
                 if ahead is None:
-                    break  # a guard that does not hold, or about to run
+                    break  # it computes, a guard that does not hold, or about to run
                 path = path + [(call.fid, label, self.id, "is queued behind")]
                 fid = ahead.fid
+
+    def _call_label(self, call: Call) -> str:
+        kind = self.call_kinds.get(call.kind)
+        return kind.label(call) if kind is not None else str(call.method)
 
     def _cycle(self, init, path: list) -> None:
         # Every waiter of a cycle probes, and every probe that comes back finds
@@ -1594,11 +1282,9 @@ class Engine:
             self.lost[peer] = f"{self.lost[peer]} after an internal error of its engine:\n" \
                               f"{self.fatal[peer]}"
         exc = errors.ContextLost(peer, self.lost[peer])
-        for oid in self.unborn.pop(peer, ()):
-            obj = self.objects.get(oid)
-            if obj is not None and obj.state == "new" and obj.create is None:
-                obj.state = "missing"  # its creator is gone before it sent the constructor
-                self._pump(obj)
+        self.call_watch.pop(peer, None)
+        for model in self.models.values():
+            model.lost(peer)
         for fid, ref in list(self.eager.items()):
             f = ref()
             if f is None or f._home == peer:
@@ -1652,21 +1338,22 @@ class Engine:
                 self.active += 1
             err = errors.MacroflowError(
                 f"internal error of macroflow on context {self.id} while running "
-                f"{_call_label(call)}: {type(exc).__name__}: {exc}")
+                f"{self._call_label(call)}: {type(exc).__name__}: {exc}")
             err.__cause__ = exc
             try:
                 self._finish(call, False, err)
             except Exception:
                 traceback.print_exc()
-        obj = call.obj
-        if obj is not None and obj.busy:
-            obj.busy = False
-            self._pump(obj)
+        kind = self.call_kinds.get(call.kind)
+        if kind is not None:
+            kind.abandon(call)  # free what the call held (its object)
 
     # ------------------------------------------------------------------ queries
     def snapshot(self) -> Dict[str, Any]:
         d = self.stats.as_dict()
-        d.update(objects=len(self.objects), values_held=len(self.slots),
+        for model in self.models.values():
+            model.snapshot(d)
+        d.update(values_held=len(self.slots),
                  served_while_busy=self.served_busy,
                  tokens_waiting=len(self.tokens), greenlets_created=self.pool.created,
                  load=self.load(), pid=os.getpid())
@@ -1720,11 +1407,276 @@ def _unpack_release(data) -> List[Tuple[Tuple[int, int], int]]:
     return [((flat[i], flat[i + 1]), flat[i + 2]) for i in range(0, len(flat), 3)]
 
 
-def _nothing(target) -> None:
-    """An inline remote service request that does nothing: queued so that the
-    engine's loop looks at an object's guards again."""
+# ---------------------------------------------------------------------- the registry
+# Messages are dispatched by opcode (the first item of a pickled header; VALUE
+# and CALL, the commonest, are handled inline by the engine's loop before it
+# looks here). The core registers its own opcodes below; a programming model
+# registers its messages the same way, and its kinds of CALL with
+# register_model.
+
+Handler = Callable[["Engine", int, tuple], None]
+
+#: Every registered opcode's handler(engine, src, msg), for the engine's loop.
+HANDLERS: Dict[int, Handler] = {}
+
+#: The messages a context serves even while user code runs there, by opcode:
+#: handler(engine, src, msg). Derived from the registrations (see register):
+#: do not add to it directly. A handler here must not run user code that may
+#: wait, switch lightweight threads or start a method; it may run in the
+#: service thread (see macroflow.core.threads). The engine's own loop
+#: dispatches these opcodes to the same handlers.
+SERVED_WHILE_BUSY: Dict[int, Handler] = {}
+
+_OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
 
 
+def register(opcode: int, handler: Handler, served_while_busy: bool = False) -> None:
+    """Make the engine of every context run ``handler(engine, src, msg)`` for
+    each message whose header (a tuple sent with ``engine.send``) starts with
+    ``opcode``; ``served_while_busy`` also serves it while a method of that
+    context computes (see "Service while a context computes" in the guide).
+
+    Opcodes are small ints (0..255) taken by one handler each: the core's own
+    are ``CALL`` to ``RSR_NOW``. Register when the module is imported, so that
+    every context (a forked or spawned process imports it too) knows it.
+
+    Raises:
+        TypeError: ``opcode`` is not an int, or ``handler`` is not callable.
+        ValueError: ``opcode`` is out of range or already registered (the
+            error names what holds it; :func:`unregister` frees it).
+
+    Example:
+        >>> import macroflow as mf
+        >>> from macroflow.core import context
+        >>> def on_hello(engine, src, msg):
+        ...     print(f"context {engine.id} got {msg[1]!r} from context {src}")
+        >>> context.register(200, on_hello)
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     eng = context.current_engine()
+        ...     eng.send(0, (200, "hello"))
+        ...     eng.process()
+        context 0 got 'hello' from context 0
+        >>> context.register(200, on_hello)
+        Traceback (most recent call last):
+        ...
+        ValueError: opcode 200 is already registered (to on_hello); unregister it first
+        >>> context.unregister(200)
+    """
+    if isinstance(opcode, bool) or not isinstance(opcode, int):
+        raise TypeError(f"opcode must be an int; got {opcode!r}")
+    if not 0 <= opcode < 256:
+        raise ValueError(f"opcode must be in 0..255 (the engine reads it from the header "
+                         f"without unpickling it); got {opcode}")
+    if not callable(handler):
+        raise TypeError(f"handler must be callable as handler(engine, src, msg); "
+                        f"got {type(handler).__name__}")
+    if opcode in HANDLERS or opcode == CALL:
+        raise ValueError(f"opcode {opcode} is already registered (to {_OWNERS[opcode]}); "
+                         f"unregister it first")
+    HANDLERS[opcode] = handler
+    _OWNERS[opcode] = getattr(handler, "__qualname__", repr(handler))
+    if served_while_busy:
+        SERVED_WHILE_BUSY[opcode] = handler
+
+
+def unregister(opcode: int) -> None:
+    """Forget the handler registered for ``opcode`` (see :func:`register`).
+
+    Raises:
+        ValueError: nothing is registered for it, or it is ``CALL``, which
+            the engine handles itself.
+
+    Example:
+        >>> from macroflow.core import context
+        >>> context.register(201, lambda engine, src, msg: None, served_while_busy=True)
+        >>> 201 in context.SERVED_WHILE_BUSY
+        True
+        >>> context.unregister(201)
+        >>> 201 in context.HANDLERS, 201 in context.SERVED_WHILE_BUSY
+        (False, False)
+    """
+    if opcode == CALL or opcode not in HANDLERS:
+        raise ValueError(f"opcode {opcode!r} is not registered (registered: {sorted(HANDLERS)})")
+    del HANDLERS[opcode]
+    del _OWNERS[opcode]
+    SERVED_WHILE_BUSY.pop(opcode, None)
+
+
+class CallKind:
+    """How the context that receives a CALL of one kind serves it.
+
+    The ``kind`` field of a CALL names one; each engine has one instance per
+    kind (``engine.call_kinds``), made by the model that serves it (see
+    :class:`Model`). The engine does what every call needs (its result slot,
+    its arguments asked from their producers, its load counted) and asks the
+    kind the rest: where it runs, and how it is described. Run a call with
+    ``engine.spawn(fn, call)`` and, in ``fn``, ``engine._invoke(function, call)``
+    (which runs it and sends its result).
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     kind = current_engine().call_kinds[SYSTEM]
+        ...     isinstance(kind, CallKind), kind.queued_behind(None)
+        (True, None)
+    """
+
+    #: True if :meth:`arrived` may pass calls on (the engine asks only then)
+    moves = False
+
+    def __init__(self, eng: "Engine"):
+        self.eng = eng
+
+    def arrived(self, call: Call, msg: tuple, src: int) -> bool:
+        """Before the call is counted or its arguments asked for: return True
+        if the kind passed it on elsewhere (``engine._move``). Asked only if
+        :attr:`moves` is True."""
+        return False
+
+    def accept(self, call: Call) -> None:
+        """The call is here, its arguments asked for (``call.missing`` of
+        them still to come): start it, or queue it."""
+        raise NotImplementedError
+
+    def arguments_ready(self, call: Call) -> None:
+        """The last missing argument of an accepted call has arrived."""
+        raise NotImplementedError
+
+    def label(self, call: Call) -> str:
+        """What the call is, in errors and deadlock reports."""
+        return str(call.method)
+
+    def check_wait(self, call: Call, future: Future) -> None:
+        """The running ``call`` is about to wait for ``future``: raise
+        DeadlockError if that wait can never end."""
+
+    def queued_behind(self, call: Call) -> Optional[Call]:
+        """The call this one waits behind, not started (deadlock probes):
+        None if it runs, may run, or waits for nothing the kind knows."""
+        return None
+
+    def abandon(self, call: Call) -> None:
+        """An internal error ended the running ``call``: free what it held."""
+
+
+class Model:
+    """A programming model's part of one engine: the kinds of CALL it serves,
+    the kinds of global pointer it resolves, and its share of the engine's
+    events. Registered with :func:`register_model`; every engine made after
+    that makes one, ``engine.models[name]``.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     m = current_engine().models["objects"]
+        ...     isinstance(m, Model), m.pointers
+        (True, ('object',))
+    """
+
+    name = "model"
+    #: the kinds of global pointer (GlobalPointer.kind) this model resolves
+    pointers: Tuple[str, ...] = ()
+
+    def __init__(self, eng: "Engine"):
+        self.eng = eng
+        #: call kind -> its CallKind, for the kinds of CALL this model serves
+        self.kinds: Dict[str, CallKind] = {}
+
+    def resolve(self, kind: str, ident: Any) -> Any:
+        """What the global pointer (kind, ident) names here, or MISSING."""
+        return MISSING
+
+    def served(self, kind: str, ident: Any) -> None:
+        """A remote service request ran on what (kind, ident) names: it may
+        have changed it. With ``engine._in_serve`` nothing may start from here."""
+
+    def lost(self, peer: int) -> None:
+        """Context ``peer`` is lost (called before its futures fail)."""
+
+    def snapshot(self, d: Dict[str, Any]) -> None:
+        """Add this model's figures to ``mf.stats()``'s dict ``d``."""
+
+
+#: name -> factory(engine) -> Model, for every registered model
+MODELS: Dict[str, Callable[["Engine"], Model]] = {}
+
+
+def register_model(name: str, factory: Callable[["Engine"], Model]) -> None:
+    """Make every engine created from now on build ``factory(engine)``, a
+    :class:`Model`, and serve the call kinds and global pointer kinds it
+    declares. A model registers when it is imported (``import macroflow``
+    imports every model before any engine starts).
+
+    Raises:
+        ValueError: ``name``, or a call kind the model declares, is taken
+            (found when an engine is made).
+
+    Example:
+        >>> import macroflow as mf
+        >>> class Echo(CallKind):
+        ...     def accept(self, call):
+        ...         if not call.missing:
+        ...             self.arguments_ready(call)
+        ...     def arguments_ready(self, call):
+        ...         self.eng.spawn(self.eng._invoke, lambda x: ("echo", x), call)
+        >>> class Toy(Model):
+        ...     def __init__(self, eng):
+        ...         super().__init__(eng)
+        ...         self.kinds = {"toy": Echo(eng)}
+        >>> register_model("toy", Toy)
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     current_engine().issue("toy", None, "echo", (5,), {}, 1).result()
+        ('echo', 5)
+        >>> unregister_model("toy")
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a model's name must be a non-empty str; got {name!r}")
+    if name in MODELS:
+        raise ValueError(f"a model named {name!r} is already registered")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable as factory(engine); got {factory!r}")
+    MODELS[name] = factory
+
+
+def unregister_model(name: str) -> None:
+    """Forget the model registered as ``name``; engines made before keep it.
+
+    Example:
+        >>> register_model("nothing", Model)
+        >>> unregister_model("nothing")
+        >>> "nothing" in MODELS
+        False
+    """
+    if name not in MODELS:
+        raise ValueError(f"no model named {name!r} (registered: {sorted(MODELS)})")
+    del MODELS[name]
+
+
+class SystemCalls(CallKind):
+    """SYSTEM calls: a function of the engine, by name (see SYSTEM_CALLS).
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     current_engine().issue(SYSTEM, "ping", "ping", (7,), {}, 1).result()
+        7
+    """
+
+    def accept(self, call: Call) -> None:
+        if call.missing == 0:
+            self.eng.spawn(self._run_free, call)
+
+    def arguments_ready(self, call: Call) -> None:
+        self.eng.spawn(self._run_free, call)
+
+    def _run_free(self, call: Call) -> None:
+        eng = self.eng
+        g = getcurrent()
+        g.call = call
+        eng._invoke(SYSTEM_CALLS.get(call.method), call, eng)
+
+
+# the core's own opcodes (CALL and VALUE are handled by the engine's loop)
 def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_forward(msg[1], msg[2], msg[3])
 
@@ -1756,17 +1708,52 @@ class _Unreadable:
         return fail
 
 
-#: The messages a context serves even while user code runs there, by opcode:
-#: handler(engine, src, msg). A handler must not run user code that may wait,
-#: switch lightweight threads or start a method; it may run in the service
-#: thread (see macroflow.core.threads). The engine's own loop dispatches these
-#: opcodes to the same handlers. One-sided operations on registered memory
-#: register here.
-SERVED_WHILE_BUSY: Dict[int, Callable[[Engine, int, tuple], None]] = {
-    FORWARD: _serve_forward,
-    RELEASE: _serve_release,
-    RSR_NOW: Engine._on_rsr_now,
-}
+def _serve_rsr(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_rsr(msg)
+
+
+def _serve_rsr_now(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_rsr_now(src, msg)
+
+
+def _serve_ready(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_ready(msg[1])
+
+
+def _serve_shutdown(eng: Engine, src: int, msg: tuple) -> None:
+    eng.stopping = True
+
+
+def _serve_fatal(eng: Engine, src: int, msg: tuple) -> None:
+    eng.fatal[src] = msg[1]
+
+
+def _serve_probe(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_probe(msg[1], msg[2], msg[3])
+
+
+def _serve_members(eng: Engine, src: int, msg: tuple) -> None:
+    eng.grow(msg[1])
+
+
+def _serve_joined(eng: Engine, src: int, msg: tuple) -> None:
+    eng.joined[src] = msg[1]
+    if eng.on_joined is not None:
+        eng.on_joined(src)
+
+
+_OWNERS[CALL] = "the engine's loop"
+register(FORWARD, _serve_forward, served_while_busy=True)
+register(RELEASE, _serve_release, served_while_busy=True)
+register(RSR, _serve_rsr)
+register(RSR_NOW, _serve_rsr_now, served_while_busy=True)
+register(READY, _serve_ready)
+register(SHUTDOWN, _serve_shutdown)
+register(FATAL, _serve_fatal)
+register(PROBE, _serve_probe)
+register(MEMBERS, _serve_members)
+register(JOINED, _serve_joined)
+
 
 _PROTO, _FRAME, _MARK, _BININT1 = 0x80, 0x95, 0x28, 0x4B
 
@@ -1791,51 +1778,6 @@ def _peek_op(b0) -> int:
     if i + 1 < len(b0) and b0[i] == _BININT1:
         return b0[i + 1]
     return -1
-
-
-_GONE = ("destroyed", "missing")
-
-
-def _enqueue(obj: HostedObject, call: Call) -> None:
-    obj.arrivals += 1
-    call.order = obj.arrivals
-    obj.queued += 1
-    lane = obj.lanes.get(call.caller)
-    if lane is not None:
-        lane.append(call)  # behind a call of the same caller that is still missing an argument
-    elif call.missing:
-        obj.lanes[call.caller] = deque((call,))
-    else:
-        _make_eligible(obj, call)
-
-
-def _make_eligible(obj: HostedObject, call: Call) -> None:
-    if call.method in obj.guarded:
-        bisect.insort(obj.gready, (call.order, call))
-    else:
-        heapq.heappush(obj.ready, (call.order, call))
-
-
-def _reclassify(obj: HostedObject) -> None:
-    # calls that came before the constructor were sorted before the class (and
-    # so its guards) was known
-    calls = [c for _, c in obj.ready] + [c for _, c in obj.gready]
-    obj.ready, obj.gready = [], []
-    for c in calls:
-        _make_eligible(obj, c)
-    heapq.heapify(obj.ready)
-
-
-def _guarded_methods(cls) -> frozenset:
-    found = cls.__dict__.get("__mf_guarded__")
-    if found is None:
-        found = frozenset(n for n in dir(cls)
-                          if getattr(getattr(cls, n, None), "__mf_guard__", None) is not None)
-        try:
-            setattr(cls, "__mf_guarded__", found)
-        except (AttributeError, TypeError):
-            pass
-    return found
 
 
 def _raw(p) -> memoryview:

@@ -25,12 +25,13 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-from ..core.context import CREATE, DESTROY, PERSISTENT, REGULAR, current_engine
+from ..core.context import current_engine
 from ..core.errors import StaleReference
 from ..core.future import CallSite, Future, current_engine_of, running_computation
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
+from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR
 from .methods import constructor_info, method_info
 
 T = TypeVar("T", bound=type)

@@ -1,0 +1,198 @@
+"""The layers: the core knows no programming model; a model plugs into it
+through the opcode registry and registered call kinds (see "How a model
+plugs into the core" in the guide)."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import macroflow as mf
+from macroflow.core import context as core
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def test_no_core_module_mentions_the_object_model():
+    mentions = re.compile(r"macroflow\.objects|\.\.objects|from \.\. import objects")
+    found = [f"{p.name}:{i}: {line.strip()}"
+             for p in sorted((SRC / "macroflow" / "core").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if mentions.search(line)]
+    assert found == []
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_core_imports_no_model():
+    # the package's __init__ imports every model: stand in for it, so that
+    # only what the core modules import themselves is loaded
+    code = (
+        "import sys, types, importlib, pkgutil\n"
+        f"pkg = types.ModuleType('macroflow'); pkg.__path__ = [{str(SRC / 'macroflow')!r}]\n"
+        "sys.modules['macroflow'] = pkg\n"
+        "import macroflow.core\n"
+        "for m in pkgutil.iter_modules(macroflow.core.__path__):\n"
+        "    importlib.import_module('macroflow.core.' + m.name)\n"
+        "from macroflow.core import context\n"
+        "print(sorted(context.MODELS), sorted(n for n in sys.modules if n.startswith('macroflow.')"
+        " and not n.startswith('macroflow.core')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] []"
+
+
+def test_the_object_model_registers_itself():
+    from macroflow.objects import hosting
+
+    assert core.MODELS["objects"] is hosting.ObjectHost
+    with mf.init(contexts=1, transport="inproc"):
+        kinds = core.current_engine().call_kinds
+        assert sorted(kinds) == sorted([core.SYSTEM, hosting.PERSISTENT, hosting.CREATE,
+                                        hosting.REGULAR])
+
+
+def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
+    assert sorted(core.HANDLERS) == sorted(
+        [core.FORWARD, core.RELEASE, core.RSR, core.RSR_NOW, core.READY, core.SHUTDOWN,
+         core.FATAL, core.PROBE, core.MEMBERS, core.JOINED])
+    assert sorted(core.SERVED_WHILE_BUSY) == sorted([core.FORWARD, core.RELEASE, core.RSR_NOW])
+    core.register(210, lambda eng, src, msg: None, served_while_busy=True)
+    try:
+        assert 210 in core.HANDLERS and 210 in core.SERVED_WHILE_BUSY
+    finally:
+        core.unregister(210)
+    assert 210 not in core.HANDLERS and 210 not in core.SERVED_WHILE_BUSY
+
+
+@pytest.mark.parametrize("opcode, error, text", [
+    (core.CALL, ValueError, "already registered"),
+    (core.FORWARD, ValueError, "already registered"),
+    (256, ValueError, "0..255"),
+    (-1, ValueError, "0..255"),
+    ("7", TypeError, "must be an int"),
+    (True, TypeError, "must be an int"),
+])
+def test_a_bad_or_taken_opcode_is_refused(opcode, error, text):
+    with pytest.raises(error, match=text):
+        core.register(opcode, lambda eng, src, msg: None)
+
+
+def test_a_handler_must_be_callable_and_only_registered_opcodes_unregister():
+    with pytest.raises(TypeError, match="callable"):
+        core.register(211, "not a function")
+    with pytest.raises(ValueError, match="not registered"):
+        core.unregister(211)
+    with pytest.raises(ValueError, match="not registered"):
+        core.unregister(core.CALL)
+
+
+PING, PONG = 220, 221
+pongs = []
+
+
+def _on_ping(eng, src, msg):
+    eng.send(src, (PONG, eng.id, msg[1] * 2))
+
+
+def _on_pong(eng, src, msg):
+    pongs.append((src, msg[1], msg[2]))
+
+
+@pytest.fixture
+def ping_pong():
+    core.register(PING, _on_ping)
+    core.register(PONG, _on_pong)
+    pongs.clear()
+    yield
+    core.unregister(PING)
+    core.unregister(PONG)
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_opcode_is_dispatched_on_every_context(run, transport, ping_pong):
+    if transport == "mpi":
+        pytest.skip("registered in this process: spawned MPI ranks do not have it")
+
+    def main():
+        eng = core.current_engine()
+        for c in (1, 2):
+            eng.post(c, (PING, 10 * c))
+        eng.driver.run_until(lambda: len(pongs) == 2, time.monotonic() + 30)
+        return sorted(pongs)
+
+    assert run(main, contexts=3) == [(1, 1, 20), (2, 2, 40)]
+
+
+@pytest.mark.timeout(60)
+def test_a_call_of_a_kind_nobody_serves_fails_with_an_error_naming_it(run):
+    def main():
+        f = core.current_engine().issue("no-such-kind", None, "m", (), {}, 1)
+        with pytest.raises(mf.CallError, match="no call kind 'no-such-kind'.*'p'"):
+            f.result(timeout=30)
+        return mf.context_id()
+
+    assert run(main, contexts=2) == 0
+
+
+class _Twice(core.CallKind):
+    def accept(self, call):
+        if not call.missing:
+            self.arguments_ready(call)
+
+    def arguments_ready(self, call):
+        self.eng.spawn(self.eng._invoke, lambda x: (self.eng.id, 2 * x), call)
+
+    def label(self, call):
+        return f"twice.{call.method}"
+
+
+class _TwiceModel(core.Model):
+    def __init__(self, eng):
+        super().__init__(eng)
+        self.kinds = {"twice": _Twice(eng)}
+
+    def snapshot(self, d):
+        d["twice_model"] = True
+
+
+@pytest.fixture
+def twice_model():
+    core.register_model("twice", _TwiceModel)
+    yield
+    core.unregister_model("twice")
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_call_kind_serves_calls_with_dataflow_arguments(run, transport, twice_model):
+    if transport == "mpi":
+        pytest.skip("registered in this process: spawned MPI ranks do not have it")
+
+    def main():
+        eng = core.current_engine()
+        first = eng.issue("twice", None, "m", (5,), {}, 1)
+        # a future as the argument: the kind runs the call once its value has arrived
+        second = eng.issue("twice", None, "m", (first,), {}, 2)
+        return second.result(timeout=30), mf.stats()[1].get("twice_model")
+
+    assert run(main, contexts=3) == ((2, (1, 10, 1, 10)), True)
+
+
+class _Thief(core.Model):
+    def __init__(self, eng):
+        super().__init__(eng)
+        self.kinds = {core.SYSTEM: _Twice(eng)}
+
+
+def test_a_model_that_claims_a_served_call_kind_is_refused():
+    core.register_model("thief", _Thief)
+    try:
+        with pytest.raises(ValueError, match="model 'thief' serves kinds \\['s'\\]"):
+            with mf.init(contexts=1, transport="inproc"):
+                pass
+    finally:
+        core.unregister_model("thief")
+    with mf.init(contexts=1, transport="inproc"):
+        assert "thief" not in core.current_engine().models
