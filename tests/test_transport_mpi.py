@@ -516,3 +516,25 @@ def test_one_context_starts_without_spawning_and_grows():
 def test_spawning_no_rank_is_refused():
     with pytest.raises(ValueError, match="count must be a positive int; got 0"):
         M.spawn(0, "macroflow.transport.mpi:_hello_only")
+
+
+def test_a_rank_that_polls_is_not_sent_wake_ups_and_one_that_does_not_is():
+    name = f"wake-{os.getpid()}"
+    t = M.MpiTransport(M.mpi().COMM_SELF.Dup(), wake=(name, {0: "here"}))
+    got = []
+    t.attach(lambda src, bufs, load: got.append(bytes(bufs[0])), None)
+    t.wakes = {0: M.Waker.address(name, 0)}  # this rank stands in for a peer of its host
+    own = t.waker.state
+    try:
+        own[M.POLLING] = 1  # as while it spins
+        before = own[M.SENT]
+        t.send(0, [b"a"], 0)
+        assert t.wakeups == 0 and own[M.SENT] != before  # no wake-up, but the frame is told of
+        assert t.waker.sleep(0.0) is False
+        own[M.POLLING] = 0  # as while it sleeps, or runs user code (its service thread waits)
+        t.send(0, [b"b"], 0)
+        assert t.wakeups == 1 and t.waker.sleep(1.0) is True
+        assert t.poll(5.0) and got[:1] == [b"a"]
+    finally:
+        t.close()
+    assert not os.path.exists(M.Waker.state_path(name, 0))  # its page goes with it

@@ -62,6 +62,7 @@ job instead, every rank included, with a message naming the process.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import pickle
 import shutil
@@ -95,6 +96,8 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
+POLLING, SENT = 0, 1  # the words of a rank's shared page (see Waker)
+_STATE_BYTES = 16
 _REC = struct.Struct("<II")
 _LEN1 = struct.Struct("<IIQ")  # the record of a one-buffer frame
 _CREDIT = struct.Struct("<QQ")
@@ -257,6 +260,18 @@ class Waker:
     same host that sends it a frame also sends it one byte here. The byte
     only wakes the sleeper; the frame travels through MPI.
 
+    A wake-up costs its sender a system call, and far more when it wakes a
+    thread: so the rank also shares a page (``state``, in /dev/shm: spawned
+    ranks are not forked from one another) of two words, POLLING (1 while the
+    rank polls MPI: no wake-up needed) and SENT (the last value a sender
+    stored before it sent a frame, unique per sender and frame). A sender
+    stores SENT, posts its frame, and wakes the rank only if POLLING is 0. A
+    rank that stops polling clears POLLING, looks at MPI once more, and
+    sleeps only if SENT has not changed since it began to poll (else a frame
+    is on its way, and it polls for it): a sender that saw POLLING at 1 wrote
+    SENT before the rank looks at it, the MPI calls between each side's store
+    and load ordering them (they take a lock, a full barrier on x86).
+
     Example:
         >>> a, b = Waker("doc-example", 0), Waker("doc-example", 1)
         >>> b.wake(Waker.address("doc-example", 0))
@@ -264,7 +279,13 @@ class Waker:
         (True, True)
         >>> a.drain(), a.sleep(0.0)
         (1, False)
+        >>> peer = Waker.peer_state("doc-example", 0)
+        >>> a.state[POLLING] = 1
+        >>> peer[POLLING], peer[SENT]
+        (1, 0)
         >>> a.close(); b.close()
+        >>> Waker.peer_state("doc-example", 0) is None    # its page went with it
+        True
     """
 
     def __init__(self, name: str, rank: int):
@@ -276,10 +297,46 @@ class Waker:
             raise
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
+        self.path: Optional[str] = None
+        self.state: Any = None  # [POLLING, SENT], or None: peers always wake us
+        path = self.state_path(name, rank)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return
+        try:
+            os.ftruncate(fd, _STATE_BYTES)
+            self._mm = mmap.mmap(fd, _STATE_BYTES)
+            self.state = (ctypes.c_uint64 * 2).from_buffer(self._mm)
+            self.path = path
+        except (OSError, ValueError):
+            os.unlink(path)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def address(name: str, rank: int) -> bytes:
         return f"\0macroflow-mpi-{name}-{rank}".encode()
+
+    @staticmethod
+    def state_path(name: str, rank: int) -> str:
+        return f"/dev/shm/macroflow-mpi-{name}-{rank}"
+
+    @staticmethod
+    def peer_state(name: str, rank: int) -> Any:
+        """The shared page of rank ``rank`` (see above), or None if it has none."""
+        try:
+            fd = os.open(Waker.state_path(name, rank), os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size < _STATE_BYTES:
+                return None  # being made: look again next time
+            return (ctypes.c_uint64 * 2).from_buffer(mmap.mmap(fd, _STATE_BYTES))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
 
     def wake(self, addr: bytes) -> None:
         try:
@@ -308,6 +365,12 @@ class Waker:
 
     def close(self) -> None:
         self.sock.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
 
 
 class _Frame:
@@ -405,10 +468,13 @@ class MpiTransport(Transport):
         self.woken_by_all = False
         self.wake_name: Optional[str] = None
         self.hosts: Dict[int, str] = {}
+        self.states: Dict[int, Any] = {}  # the shared pages of the peers that can wake us
+        self.wakeups = 0  # wake-ups sent
         self.abandoned: List[Tuple[Any, Any]] = []  # requests MPI would not cancel, and their buffers
         if members is None:
             members = list(range(comm.Get_size()))
         self.ctx = members[comm.Get_rank()]
+        self.stamp = (self.ctx + 1) << 40  # what we store in a peer's SENT (see Waker)
         self._link(comm, members)
         self.gone.update(c for c in range(self.size) if self.dcomm[c] is None and c != self.ctx)
         if wake is not None:
@@ -543,16 +609,27 @@ class MpiTransport(Transport):
             self.sent_msgs[dest] += 1
             self.sent_bytes[dest] += n
             self.active_at = time.monotonic()
+        w = st = None
+        if counted or wake:  # (credits and goodbyes are for ranks that poll: no wake-up)
+            w = self.wakes.get(dest)
+            if w is not None:
+                st = self.states.get(dest)
+                if st is None:
+                    st = self.states[dest] = Waker.peer_state(self.wake_name, dest)  # type: ignore[arg-type]
+                    if st is None:
+                        del self.states[dest]  # not made yet: wake it every time meanwhile
+                if st is not None:
+                    self.stamp += 1
+                    st[SENT] = self.stamp  # before the frame: see Waker
         self.unfinished.append((self.dcomm[dest].Isend([data, self.byte], self.drank[dest], FRAME),
                                 data))
         if len(data) > EAGER:
             self.pushing += 1
         if len(self.unfinished) > 32:
             self._reap()
-        if counted or wake:  # (credits and goodbyes are for ranks that poll: no wake-up)
-            w = self.wakes.get(dest)
-            if w is not None:
-                self.waker.wake(w)  # type: ignore[union-attr]
+        if w is not None and (st is None or not st[POLLING]):
+            self.wakeups += 1
+            self.waker.wake(w)  # type: ignore[union-attr]
 
     def _wait_room(self, dest: int, n: int) -> None:
         # the peer has not taken our last window yet: take what comes for us
@@ -627,6 +704,8 @@ class MpiTransport(Transport):
         if timeout == 0:
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
+        own = self.waker.state if self.waker is not None else None
+        seen = own[SENT] if own is not None else 0  # frames sent after this are not here yet
         if self.spin_s > 0.0 and not self.inflight:
             if self._spin(deadline):
                 return True
@@ -658,6 +737,13 @@ class MpiTransport(Transport):
                     continue
                 if self._progress():
                     return True
+                if own is not None and own[SENT] != seen:
+                    # a peer sent a frame since we began, maybe while we
+                    # polled (so it did not wake us): it is on its way
+                    seen = own[SENT]
+                    if self._spin(deadline, woken=True):
+                        return True
+                    continue
                 self._reap()
                 self.sleeps += 1
                 longest = SLEEP_MAX if self.woken_by_all and not self.expect else NAP_MAX
@@ -695,20 +781,27 @@ class MpiTransport(Transport):
         progress = self._progress
         last = now
         looks = 0 if woken else _EAGER_LOOKS
-        while True:
-            if progress():
-                return True
-            t = clock()
-            if t - last > _PREEMPTED:
-                self.calm_until = t + _CALM
-                self.spins_preempted += 1
-                return False
-            if t > end:
-                return False
-            last = t
-            looks += 1
-            if looks > _EAGER_LOOKS:
-                yield_()  # lets a process waiting for this core run first
+        own = self.waker.state if self.waker is not None else None
+        if own is not None:
+            own[POLLING] = 1  # peers need not wake us meanwhile
+        try:
+            while True:
+                if progress():
+                    return True
+                t = clock()
+                if t - last > _PREEMPTED:
+                    self.calm_until = t + _CALM
+                    self.spins_preempted += 1
+                    return False
+                if t > end:
+                    return False
+                last = t
+                looks += 1
+                if looks > _EAGER_LOOKS:
+                    yield_()  # lets a process waiting for this core run first
+        finally:
+            if own is not None:
+                own[POLLING] = 0
 
     def _progress(self) -> bool:
         """One pass: finish large receives, take the messages that came; True if
