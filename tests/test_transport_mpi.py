@@ -538,3 +538,22 @@ def test_a_rank_that_polls_is_not_sent_wake_ups_and_one_that_does_not_is():
     finally:
         t.close()
     assert not os.path.exists(M.Waker.state_path(name, 0))  # its page goes with it
+
+
+def test_the_page_of_a_rank_that_ended_without_closing_is_removed_by_the_next_one():
+    name = f"stale-{os.getpid()}"
+    gone = M.Waker(name, 0)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - a process that ends at once
+        os._exit(0)
+    os.waitpid(pid, 0)
+    gone.state[M.OWNER] = pid  # as if that process had made it and been killed
+    path = gone.path
+    gone.path = None  # it never closes
+    alive = M.Waker(name, 1)
+    try:
+        assert not os.path.exists(path)
+        assert os.path.exists(alive.path) and alive.state[M.OWNER] == os.getpid()
+    finally:
+        gone.close()
+        alive.close()

@@ -96,8 +96,8 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
-POLLING, SENT = 0, 1  # the words of a rank's shared page (see Waker)
-_STATE_BYTES = 16
+POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
+_STATE_BYTES = 24
 _REC = struct.Struct("<II")
 _LEN1 = struct.Struct("<IIQ")  # the record of a one-buffer frame
 _CREDIT = struct.Struct("<QQ")
@@ -298,7 +298,8 @@ class Waker:
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
         self.path: Optional[str] = None
-        self.state: Any = None  # [POLLING, SENT], or None: peers always wake us
+        self.state: Any = None  # [POLLING, SENT, OWNER], or None: peers always wake us
+        _sweep_pages()
         path = self.state_path(name, rank)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -307,7 +308,8 @@ class Waker:
         try:
             os.ftruncate(fd, _STATE_BYTES)
             self._mm = mmap.mmap(fd, _STATE_BYTES)
-            self.state = (ctypes.c_uint64 * 2).from_buffer(self._mm)
+            self.state = (ctypes.c_uint64 * 3).from_buffer(self._mm)
+            self.state[OWNER] = os.getpid()
             self.path = path
         except (OSError, ValueError):
             os.unlink(path)
@@ -332,7 +334,7 @@ class Waker:
         try:
             if os.fstat(fd).st_size < _STATE_BYTES:
                 return None  # being made: look again next time
-            return (ctypes.c_uint64 * 2).from_buffer(mmap.mmap(fd, _STATE_BYTES))
+            return (ctypes.c_uint64 * 3).from_buffer(mmap.mmap(fd, _STATE_BYTES))
         except (OSError, ValueError):
             return None
         finally:
@@ -371,6 +373,25 @@ class Waker:
             except OSError:
                 pass
             self.path = None
+
+
+def _sweep_pages() -> None:
+    """Remove the shared pages (see Waker) of ranks that ended without closing
+    (killed, or ended by MPI_Abort): their process, named in OWNER, is gone."""
+    import glob
+    for path in glob.glob("/dev/shm/macroflow-mpi-*"):
+        try:
+            with open(path, "rb") as f:
+                owner = struct.unpack_from("<Q", f.read(_STATE_BYTES), 8 * OWNER)[0]
+            if owner:
+                os.kill(owner, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (OSError, struct.error):
+            pass  # being made, or another user's
 
 
 class _Frame:
@@ -1580,6 +1601,20 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             time.sleep(0.001)
 
     def stop(self) -> None:
+        try:
+            self._stop()
+        finally:
+            # the shared pages of ranks that did not close their transport
+            # (killed, or ended by MPI_Abort): nobody else would remove them
+            import glob
+            for path in glob.glob(Waker.state_path(self.session.computation, 0)[:-1] + "*"):
+                if not path.endswith("-0"):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+    def _stop(self) -> None:
         eng = self.engine
         if eng is None:
             return
