@@ -12,12 +12,6 @@ import macroflow as mf
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def _not_on_mpi(request):
-    if "transport" in request.fixturenames and request.getfixturevalue("transport") == "mpi":
-        pytest.skip("the mpi transport does not add ranks to a running job yet (every rank "
-                    "would have to spawn them together and move to a new communicator)")
-
 TAGS = {}  # context -> what its init left (one process holds them all on inproc)
 
 

@@ -444,3 +444,116 @@ def test_a_second_computation_under_mpiexec_is_refused_clearly(tmp_path):
     """)
     assert code == 0, err
     assert "first 1" in out and "refused: this mpiexec job's other ranks ended" in out
+
+
+# -- contexts added while running (MPI_Comm_spawn, then a communicator with the live ones) --
+
+@pytest.mark.timeout(120)
+def test_mpiexec_adds_contexts_that_call_the_old_ones_and_get_main_classes_by_value(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, """
+        import os
+        import macroflow as mf
+
+        @mf.persistent
+        class Where:
+            def here(self):
+                return mf.context_id(), os.getpid()
+
+            def ask(self, other):
+                return mf.context_id(), other.here().result()[0]
+
+        def main():
+            new = mf.add_contexts(2)
+            old = Where.create(on=1)
+            calls = [Where.create(on=c).ask(old).result() for c in new]
+            calls.append(old.ask(Where.create(on=new[1])).result())
+            pids = {Where.create(on=c).here().result()[1] for c in range(mf.num_contexts())}
+            return new, calls, len(pids), [c.protocols[0][0] for c in mf.contexts()]
+
+        print("result", mf.run(main))
+    """)
+    assert code == 0, err
+    assert "result ([2, 3], [(2, 1), (3, 1), (1, 3)], 4, ['mpi', 'mpi', 'mpi', 'mpi'])" in out
+
+
+@pytest.mark.timeout(90)
+def test_an_old_context_sends_a_large_array_to_a_new_one_and_back():
+    def main():
+        (new,) = mf.add_contexts(1)
+        arr = np.arange(1_500_000, dtype=np.float64)  # large buffers: messages of their own
+        old, fresh = Box.create(on=1), Box.create(on=new)
+        there = fresh.echo(old.echo(arr))  # from context 1 to the new one, by dataflow
+        back = old.echo(there).result(30)
+        return bool(np.array_equal(back, arr)), len(current_engine().transport.links)
+
+    same, links = mf.run(main, contexts=2, transport="mpi")
+    assert same
+    assert links == 2  # the spawn's communicator, and the one made with the new rank
+
+
+def test_a_process_manager_that_cannot_spawn_is_a_clear_error(monkeypatch):
+    def cannot(count, entry, timeout=120.0):
+        raise M.mpi().Exception(M.mpi().ERR_SPAWN)
+
+    def main():
+        monkeypatch.setattr(M, "spawn", cannot)
+        with pytest.raises(RuntimeError, match="cannot add contexts here: MPI_Comm_spawn failed"):
+            mf.add_contexts(1)
+        monkeypatch.undo()
+        return mf.num_contexts(), mf.add_contexts(1), Box.create(on=2).pid().result(30) > 0
+
+    assert mf.run(main, contexts=2, transport="mpi") == (2, [2], True)
+
+
+def test_one_context_starts_without_spawning_and_grows():
+    # (asked to spawn no rank, MPICH's process manager used to kill this process)
+    with mf.init(contexts=1, transport="mpi"):
+        assert mf.num_contexts() == 1
+        assert mf.add_contexts(1) == [1]
+        assert Box.create(on=1).pid().result(30) != os.getpid()
+
+
+def test_spawning_no_rank_is_refused():
+    with pytest.raises(ValueError, match="count must be a positive int; got 0"):
+        M.spawn(0, "macroflow.transport.mpi:_hello_only")
+
+
+def test_a_rank_that_polls_is_not_sent_wake_ups_and_one_that_does_not_is():
+    name = f"wake-{os.getpid()}"
+    t = M.MpiTransport(M.mpi().COMM_SELF.Dup(), wake=(name, {0: "here"}))
+    got = []
+    t.attach(lambda src, bufs, load: got.append(bytes(bufs[0])), None)
+    t.wakes = {0: M.Waker.address(name, 0)}  # this rank stands in for a peer of its host
+    own = t.waker.state
+    try:
+        own[M.POLLING] = 1  # as while it spins
+        before = own[M.SENT]
+        t.send(0, [b"a"], 0)
+        assert t.wakeups == 0 and own[M.SENT] != before  # no wake-up, but the frame is told of
+        assert t.waker.sleep(0.0) is False
+        own[M.POLLING] = 0  # as while it sleeps, or runs user code (its service thread waits)
+        t.send(0, [b"b"], 0)
+        assert t.wakeups == 1 and t.waker.sleep(1.0) is True
+        assert t.poll(5.0) and got[:1] == [b"a"]
+    finally:
+        t.close()
+    assert not os.path.exists(M.Waker.state_path(name, 0))  # its page goes with it
+
+
+def test_the_page_of_a_rank_that_ended_without_closing_is_removed_by_the_next_one():
+    name = f"stale-{os.getpid()}"
+    gone = M.Waker(name, 0)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - a process that ends at once
+        os._exit(0)
+    os.waitpid(pid, 0)
+    gone.state[M.OWNER] = pid  # as if that process had made it and been killed
+    path = gone.path
+    gone.path = None  # it never closes
+    alive = M.Waker(name, 1)
+    try:
+        assert not os.path.exists(path)
+        assert os.path.exists(alive.path) and alive.state[M.OWNER] == os.getpid()
+    finally:
+        gone.close()
+        alive.close()

@@ -62,7 +62,9 @@ job instead, every rank included, with a message naming the process.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -76,6 +78,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 from .base import Transport
 
 FRAME, DATA, HELLO, SETUP = 1, 2, 3, 4  # message tags
+GROW_TAG = 5  # of the intercommunicator that joins new ranks to the live ones
 INLINE = 64 * 1024  # buffers up to this size travel inside their frame's message
 COPY_MAX = 1 << 20  # larger buffers up to this size are sent from a copy (see send)
 EAGER = 8 * 1024  # a send larger than this may need its sender's progress to leave
@@ -93,11 +96,13 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
+POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
+_STATE_BYTES = 24
 _REC = struct.Struct("<II")
 _LEN1 = struct.Struct("<IIQ")  # the record of a one-buffer frame
 _CREDIT = struct.Struct("<QQ")
 CONTROL = 0xFFFFFFFF
-CREDIT, BYE, ACK = 1, 2, 3
+CREDIT, BYE, ACK, GROW = 1, 2, 3, 4
 
 #: Environment variables that MPI launchers set in every rank: (rank, size).
 LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"),  # MPICH, Intel MPI, MVAPICH (hydra), srun --mpi=pmi2
@@ -255,6 +260,18 @@ class Waker:
     same host that sends it a frame also sends it one byte here. The byte
     only wakes the sleeper; the frame travels through MPI.
 
+    A wake-up costs its sender a system call, and far more when it wakes a
+    thread: so the rank also shares a page (``state``, in /dev/shm: spawned
+    ranks are not forked from one another) of two words, POLLING (1 while the
+    rank polls MPI: no wake-up needed) and SENT (the last value a sender
+    stored before it sent a frame, unique per sender and frame). A sender
+    stores SENT, posts its frame, and wakes the rank only if POLLING is 0. A
+    rank that stops polling clears POLLING, looks at MPI once more, and
+    sleeps only if SENT has not changed since it began to poll (else a frame
+    is on its way, and it polls for it): a sender that saw POLLING at 1 wrote
+    SENT before the rank looks at it, the MPI calls between each side's store
+    and load ordering them (they take a lock, a full barrier on x86).
+
     Example:
         >>> a, b = Waker("doc-example", 0), Waker("doc-example", 1)
         >>> b.wake(Waker.address("doc-example", 0))
@@ -262,7 +279,13 @@ class Waker:
         (True, True)
         >>> a.drain(), a.sleep(0.0)
         (1, False)
+        >>> peer = Waker.peer_state("doc-example", 0)
+        >>> a.state[POLLING] = 1
+        >>> peer[POLLING], peer[SENT]
+        (1, 0)
         >>> a.close(); b.close()
+        >>> Waker.peer_state("doc-example", 0) is None    # its page went with it
+        True
     """
 
     def __init__(self, name: str, rank: int):
@@ -274,10 +297,48 @@ class Waker:
             raise
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()
+        self.path: Optional[str] = None
+        self.state: Any = None  # [POLLING, SENT, OWNER], or None: peers always wake us
+        _sweep_pages()
+        path = self.state_path(name, rank)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return
+        try:
+            os.ftruncate(fd, _STATE_BYTES)
+            self._mm = mmap.mmap(fd, _STATE_BYTES)
+            self.state = (ctypes.c_uint64 * 3).from_buffer(self._mm)
+            self.state[OWNER] = os.getpid()
+            self.path = path
+        except (OSError, ValueError):
+            os.unlink(path)
+        finally:
+            os.close(fd)
 
     @staticmethod
     def address(name: str, rank: int) -> bytes:
         return f"\0macroflow-mpi-{name}-{rank}".encode()
+
+    @staticmethod
+    def state_path(name: str, rank: int) -> str:
+        return f"/dev/shm/macroflow-mpi-{name}-{rank}"
+
+    @staticmethod
+    def peer_state(name: str, rank: int) -> Any:
+        """The shared page of rank ``rank`` (see above), or None if it has none."""
+        try:
+            fd = os.open(Waker.state_path(name, rank), os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size < _STATE_BYTES:
+                return None  # being made: look again next time
+            return (ctypes.c_uint64 * 3).from_buffer(mmap.mmap(fd, _STATE_BYTES))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
 
     def wake(self, addr: bytes) -> None:
         try:
@@ -306,6 +367,31 @@ class Waker:
 
     def close(self) -> None:
         self.sock.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
+
+
+def _sweep_pages() -> None:
+    """Remove the shared pages (see Waker) of ranks that ended without closing
+    (killed, or ended by MPI_Abort): their process, named in OWNER, is gone."""
+    import glob
+    for path in glob.glob("/dev/shm/macroflow-mpi-*"):
+        try:
+            with open(path, "rb") as f:
+                owner = struct.unpack_from("<Q", f.read(_STATE_BYTES), 8 * OWNER)[0]
+            if owner:
+                os.kill(owner, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (OSError, struct.error):
+            pass  # being made, or another user's
 
 
 class _Frame:
@@ -341,13 +427,22 @@ class MpiTransport(Transport):
     name = "mpi"
 
     def __init__(self, comm: Any, spin_us: float = 0.0, release: Sequence[Any] = (),
-                 wake: Optional[Tuple[str, Mapping[int, str]]] = None):
+                 wake: Optional[Tuple[str, Mapping[int, str]]] = None,
+                 members: Optional[Sequence[int]] = None):
         super().__init__()
         MPI = mpi()
         self.MPI = MPI
         self.comm = comm
-        self.ctx = comm.Get_rank()
-        self.size = comm.Get_size()
+        # Several communicators once contexts were added (see grow): each
+        # lists the context of each of its ranks, and a peer is reached by
+        # the first one that holds us both, which both ends agree on.
+        self.links: List[Any] = []
+        self.members: List[List[int]] = []
+        self.rx: List[Tuple[Any, Optional[List[int]]]] = []  # (comm, members or None: ranks are ids)
+        self.dcomm: List[Any] = []  # per context: the communicator that reaches it (None: cannot)
+        self.drank: List[int] = []  # ... and its rank there
+        self.ctx = -1
+        self.size = 0
         self.release = list(release)
         self.spin_s = spin_us / 1e6
         self.status = MPI.Status()
@@ -355,23 +450,24 @@ class MpiTransport(Transport):
         self.byte = MPI.BYTE
         from .local import BufferPool
         self.pool = BufferPool()
-        self.gone: Set[int] = set()  # peers that said goodbye (or that we gave up on)
+        self.gone: Set[int] = set()  # peers that said goodbye (or that we gave up on, or never knew)
         self.closed = False
         self.closing = False  # in close(): frames that come are taken and dropped
         self.acked: Set[int] = set()  # peers that answered our goodbye
         self.leaving: List[int] = []  # the peers we said goodbye to
         self.lingered_out = False  # close() gave up waiting for its peers
         # flow control, per peer: messages and bytes sent / credited back
-        n = self.size
-        self.sent_msgs = [0] * n
-        self.sent_bytes = [0] * n
-        self.acked_msgs = [0] * n
-        self.acked_bytes = [0] * n
+        self.sent_msgs: List[int] = []
+        self.sent_bytes: List[int] = []
+        self.acked_msgs: List[int] = []
+        self.acked_bytes: List[int] = []
         # and as a receiver: taken out of MPI / credited to the sender
-        self.got_msgs = [0] * n
-        self.got_bytes = [0] * n
-        self.credited_msgs = [0] * n
-        self.credited_bytes = [0] * n
+        self.got_msgs: List[int] = []
+        self.got_bytes: List[int] = []
+        self.credited_msgs: List[int] = []
+        self.credited_bytes: List[int] = []
+        self.grows: List[Dict[str, Any]] = []  # plans of context 0 to add ranks, to carry out
+        self.peer_comm: Any = None  # context 0, while it adds ranks: itself and them
         self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of our sends
         self.pushing = 0  # sends in `unfinished` too large to leave without our progress
         self.sends = 0
@@ -391,14 +487,54 @@ class MpiTransport(Transport):
         self.waker: Optional[Waker] = None
         self.wakes: Dict[int, bytes] = {}
         self.woken_by_all = False
-        if wake is not None:
-            name, hosts = wake
-            self.waker = Waker(name, self.ctx)
-            me = hosts.get(self.ctx)
-            self.wakes = {p: Waker.address(name, p) for p, h in hosts.items()
-                          if h == me and p != self.ctx}
-            self.woken_by_all = len(self.wakes) == self.size - 1
+        self.wake_name: Optional[str] = None
+        self.hosts: Dict[int, str] = {}
+        self.states: Dict[int, Any] = {}  # the shared pages of the peers that can wake us
+        self.wakeups = 0  # wake-ups sent
         self.abandoned: List[Tuple[Any, Any]] = []  # requests MPI would not cancel, and their buffers
+        if members is None:
+            members = list(range(comm.Get_size()))
+        self.ctx = members[comm.Get_rank()]
+        self.stamp = (self.ctx + 1) << 40  # what we store in a peer's SENT (see Waker)
+        self._link(comm, members)
+        self.gone.update(c for c in range(self.size) if self.dcomm[c] is None and c != self.ctx)
+        if wake is not None:
+            self.wake_name = wake[0]
+            self.waker = Waker(wake[0], self.ctx)
+            self._learn_hosts(wake[1])
+
+    def _link(self, comm: Any, members: Sequence[int]) -> None:
+        """Reach, through ``comm`` (whose rank r is context members[r]), every
+        context of it that no communicator of ours reached before."""
+        members = list(members)
+        size = max(self.size, max(members) + 1)
+        grow = size - self.size
+        if grow > 0:
+            for a in (self.sent_msgs, self.sent_bytes, self.acked_msgs, self.acked_bytes,
+                      self.got_msgs, self.got_bytes, self.credited_msgs, self.credited_bytes):
+                a.extend([0] * grow)
+            self.dcomm.extend([None] * grow)
+            self.drank.extend([-1] * grow)
+            self.size = size
+        for r, c in enumerate(members):
+            if c >= 0 and self.dcomm[c] is None:
+                self.dcomm[c] = comm
+                self.drank[c] = r
+                self.gone.discard(c)
+        self.links.append(comm)
+        self.members.append(members)
+        self.rx.append((comm, None if members == list(range(len(members))) else members))
+
+    def _learn_hosts(self, hosts: Mapping[int, str]) -> None:
+        """Which contexts run on which host: those on ours can wake us."""
+        self.hosts.update(hosts)
+        if self.waker is None:
+            return
+        me = self.hosts.get(self.ctx)
+        self.wakes = {p: Waker.address(self.wake_name, p) for p, h in self.hosts.items()  # type: ignore[arg-type]
+                      if h == me and p != self.ctx and p < self.size and self.dcomm[p] is not None}
+        reachable = sum(1 for c in self.dcomm if c is not None) - 1  # less ourselves
+        self.woken_by_all = len(self.wakes) == reachable
 
     # -- what core asks ----------------------------------------------------
     def fileno(self) -> Optional[int]:
@@ -470,16 +606,16 @@ class MpiTransport(Transport):
                 head += v
         self._post(dest, head, counted=True,
                    extra=sum(n for n in lens if INLINE < n <= COPY_MAX))
-        byte, isend = self.byte, self.comm.Isend
+        byte, isend, rank = self.byte, self.dcomm[dest].Isend, self.drank[dest]
         reqs = []
         for v in views:
             if v.nbytes > COPY_MAX:
-                reqs.append(isend([v, byte], dest, DATA))
+                reqs.append(isend([v, byte], rank, DATA))
             elif v.nbytes > INLINE:
                 # a copy of our own (as a socket copies into the kernel): the
                 # send returns before the peer takes it, within the window
                 c = bytearray(v)
-                self.unfinished.append((isend([c, byte], dest, DATA), c))
+                self.unfinished.append((isend([c, byte], rank, DATA), c))
                 self.pushing += 1
         self._wait_sent(dest, reqs, views)
         return len(head) + sum(n for n in lens if n > INLINE)
@@ -492,9 +628,10 @@ class MpiTransport(Transport):
         if dest in self.gone:
             raise ConnectionError(f"context {dest} has left")
 
-    def _post(self, dest: int, data: Any, counted: bool, extra: int = 0) -> None:
+    def _post(self, dest: int, data: Any, counted: bool, extra: int = 0, wake: bool = False) -> None:
         """Isend one FRAME message, within the peer's window when ``counted``
-        (``extra``: bytes of DATA messages that follow it and count too)."""
+        (``extra``: bytes of DATA messages that follow it and count too);
+        the peer is woken for it when ``counted`` or ``wake``."""
         if counted:
             n = len(data) + extra
             if (self.sent_msgs[dest] - self.acked_msgs[dest] >= WINDOW_MESSAGES
@@ -504,15 +641,27 @@ class MpiTransport(Transport):
             self.sent_msgs[dest] += 1
             self.sent_bytes[dest] += n
             self.active_at = time.monotonic()
-        self.unfinished.append((self.comm.Isend([data, self.byte], dest, FRAME), data))
+        w = st = None
+        if counted or wake:  # (credits and goodbyes are for ranks that poll: no wake-up)
+            w = self.wakes.get(dest)
+            if w is not None:
+                st = self.states.get(dest)
+                if st is None:
+                    st = self.states[dest] = Waker.peer_state(self.wake_name, dest)  # type: ignore[arg-type]
+                    if st is None:
+                        del self.states[dest]  # not made yet: wake it every time meanwhile
+                if st is not None:
+                    self.stamp += 1
+                    st[SENT] = self.stamp  # before the frame: see Waker
+        self.unfinished.append((self.dcomm[dest].Isend([data, self.byte], self.drank[dest], FRAME),
+                                data))
         if len(data) > EAGER:
             self.pushing += 1
         if len(self.unfinished) > 32:
             self._reap()
-        if counted:  # (credits and goodbyes are for ranks that poll: no wake-up)
-            w = self.wakes.get(dest)
-            if w is not None:
-                self.waker.wake(w)  # type: ignore[union-attr]
+        if w is not None and (st is None or not st[POLLING]):
+            self.wakeups += 1
+            self.waker.wake(w)  # type: ignore[union-attr]
 
     def _wait_room(self, dest: int, n: int) -> None:
         # the peer has not taken our last window yet: take what comes for us
@@ -587,6 +736,8 @@ class MpiTransport(Transport):
         if timeout == 0:
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
+        own = self.waker.state if self.waker is not None else None
+        seen = own[SENT] if own is not None else 0  # frames sent after this are not here yet
         if self.spin_s > 0.0 and not self.inflight:
             if self._spin(deadline):
                 return True
@@ -618,6 +769,13 @@ class MpiTransport(Transport):
                     continue
                 if self._progress():
                     return True
+                if own is not None and own[SENT] != seen:
+                    # a peer sent a frame since we began, maybe while we
+                    # polled (so it did not wake us): it is on its way
+                    seen = own[SENT]
+                    if self._spin(deadline, woken=True):
+                        return True
+                    continue
                 self._reap()
                 self.sleeps += 1
                 longest = SLEEP_MAX if self.woken_by_all and not self.expect else NAP_MAX
@@ -655,20 +813,27 @@ class MpiTransport(Transport):
         progress = self._progress
         last = now
         looks = 0 if woken else _EAGER_LOOKS
-        while True:
-            if progress():
-                return True
-            t = clock()
-            if t - last > _PREEMPTED:
-                self.calm_until = t + _CALM
-                self.spins_preempted += 1
-                return False
-            if t > end:
-                return False
-            last = t
-            looks += 1
-            if looks > _EAGER_LOOKS:
-                yield_()  # lets a process waiting for this core run first
+        own = self.waker.state if self.waker is not None else None
+        if own is not None:
+            own[POLLING] = 1  # peers need not wake us meanwhile
+        try:
+            while True:
+                if progress():
+                    return True
+                t = clock()
+                if t - last > _PREEMPTED:
+                    self.calm_until = t + _CALM
+                    self.spins_preempted += 1
+                    return False
+                if t > end:
+                    return False
+                last = t
+                looks += 1
+                if looks > _EAGER_LOOKS:
+                    yield_()  # lets a process waiting for this core run first
+        finally:
+            if own is not None:
+                own[POLLING] = 0
 
     def _progress(self) -> bool:
         """One pass: finish large receives, take the messages that came; True if
@@ -679,15 +844,18 @@ class MpiTransport(Transport):
             got = self._advance()
         if self.pushing or len(self.unfinished) > 16:
             self._reap()
-        comm, status = self.comm, self.status
-        for _ in range(_PROBES):
-            msg = comm.Improbe(self.any_source, FRAME, status)
-            if msg is None:
-                break
-            src = status.Get_source()
-            buf = bytearray(status.Get_count(self.byte))
-            msg.Recv([buf, self.byte])
-            got = self._parse(src, buf) or got
+        status, anyone, byte = self.status, self.any_source, self.byte
+        for comm, members in self.rx:
+            for _ in range(_PROBES):
+                msg = comm.Improbe(anyone, FRAME, status)
+                if msg is None:
+                    break
+                src = status.Get_source()
+                buf = bytearray(status.Get_count(byte))
+                msg.Recv([buf, byte])
+                got = self._parse(src if members is None else members[src], buf) or got
+        if self.grows and not self.closing:
+            self.grow(self.grows.pop(0))
         if got or self._moved:
             self.active_at = time.monotonic()
             self.expect = False
@@ -727,6 +895,9 @@ class MpiTransport(Transport):
                     self._bye(src)
                 elif load == ACK:
                     self.acked.add(src)
+                elif load == GROW:  # a plan to add ranks, a bytes long
+                    self.grows.append(pickle.loads(buf[pos:pos + a]))
+                    pos += a
                 continue
             counted = True
             if nb == 1:
@@ -754,7 +925,7 @@ class MpiTransport(Transport):
                         copied += n  # in the sender's window
                     # received in place: the array the user gets is this memory
                     big = self.pool.get(n)
-                    reqs.append(self.comm.Irecv([big, self.byte], src, DATA))
+                    reqs.append(self.dcomm[src].Irecv([big, self.byte], self.drank[src], DATA))
                     parts.append(big)
             if reqs or src in self.inflight:
                 self.inflight.setdefault(src, deque()).append(_Frame(parts, load, reqs))
@@ -783,6 +954,55 @@ class MpiTransport(Transport):
             pass
         if not self.closing and self.lost is not None:
             self.lost(src, "its context left (it said goodbye on MPI)")
+
+    # -- adding ranks ----------------------------------------------------------
+    def tell_grow(self, dest: int, plan: Dict[str, Any]) -> None:
+        """Context 0: ask context ``dest`` to take part in adding ranks (it does
+        as soon as it next takes messages; see :meth:`grow`)."""
+        self._check(dest)
+        data = pickle.dumps(plan)
+        self._flush_one(dest)  # after what was queued for it
+        self._post(dest, _REC.pack(CONTROL, GROW) + _CREDIT.pack(len(data), 0) + data,
+                   counted=False, wake=True)
+
+    def grow(self, plan: Dict[str, Any]) -> None:
+        """Join the ranks that context 0 spawned, together with every live context.
+
+        ``plan``: "live", the live contexts (context 0 first), every one of
+        which calls this; "ids", the contexts of the new ranks, in their
+        order; "hosts", context -> host. The live contexts make one
+        communicator (the last one every live context shares, or a part of it
+        without the contexts that left), make an intercommunicator with the
+        new ranks' world (context 0 leads; its communicator with the new ranks,
+        ``peer_comm``, is the bridge) and merge it: from then on each new
+        rank is reached through it, and every older pair as before. These
+        calls block, but briefly: the new ranks have started already and
+        wait in the same calls."""
+        live, ids = list(plan["live"]), list(plan["ids"])
+        latest, members = self.links[-1], self.members[-1]
+        rank_of = {c: r for r, c in enumerate(members) if c >= 0}
+        ranks = [rank_of[c] for c in live]
+        local, temp = latest, None
+        if ranks != list(range(latest.Get_size())):
+            group = latest.Get_group()
+            part = group.Incl(ranks)
+            local = temp = latest.Create_group(part, GROW_TAG)
+            part.Free()
+            group.Free()
+        leader = self.ctx == live[0]
+        inter = local.Create_intercomm(0, self.peer_comm if leader else local, 1 if leader else 0,
+                                       GROW_TAG)
+        merged = inter.Merge(high=False)
+        inter.Free()
+        if temp is not None:
+            temp.Free()
+        if plan.get("main_by_value"):
+            # the new ranks did not run the program: what its __main__
+            # defines travels by value from every context from now on
+            from ..core import marshal
+            marshal.main_by_value()
+        self._link(merged, live + ids)
+        self._learn_hosts(plan["hosts"])
 
     # -- closing -------------------------------------------------------------
     def close(self, linger: float = LINGER) -> None:
@@ -932,6 +1152,9 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
         >>> size
         2
     """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        # (MPICH's process manager ends the spawning process when asked for none)
+        raise ValueError(f"spawn: count must be a positive int; got {count!r}")
     MPI = mpi()
     code = (f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}; "
             f"from macroflow.transport.mpi import _spawned; _spawned({entry!r})")
@@ -1002,9 +1225,7 @@ def _handshake(comm: Any, setup: Dict[str, Any]) -> None:
 
 def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in ranks 1..N-1
     """A rank other than 0: say hello, get the setup, serve until the computation ends."""
-    from ..core import context as _ctx
     from ..core import marshal
-    from ..core.context import Engine
     if not spawned:
         _hello(comm)
     setup = _poll_messages(comm, SETUP, 1, "waiting for context 0", None,
@@ -1014,7 +1235,17 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
     else:
         marshal.snapshot_main()  # the same script runs everywhere: what it defined exists here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    transport = MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"]))
+    _serve_on(MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"])),
+              setup)
+
+
+def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
+              init_blob: Optional[bytes] = None) -> None:  # pragma: no cover - in ranks 1..
+    """Be context ``transport.ctx`` until the computation ends; a context added
+    while running runs its ``init`` first and reports in (launch.joined)."""
+    from ..core import context as _ctx
+    from ..core import marshal
+    from ..core.context import Engine
 
     def terminate(signum, frame):
         # asked to stop while computing: leave in order, or the process
@@ -1026,11 +1257,16 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
     signal.signal(signal.SIGTERM, terminate)
     eng = None
     try:
-        eng = Engine(comm.Get_rank(), comm.Get_size(), transport, setup["placement"],
+        eng = Engine(transport.ctx, transport.size, transport, setup["placement"],
                      computation=setup["computation"])
         eng.describe_lost = lambda peer: ""  # the transport's words say it best here
         _ctx._state.default = eng
-        eng.serve_forever()
+        if init_blob is not None:
+            from ..launch import joined
+            if not joined(eng, lambda: marshal.loads(init_blob)):
+                eng = None  # its init failed: it has said so, and leaves
+        if eng is not None:
+            eng.serve_forever()
     except BaseException:
         text = traceback.format_exc()
         sys.stderr.write(text)
@@ -1038,11 +1274,32 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
             if eng is not None:
                 eng.report_fatal(text)
         except Exception:
-            comm.Abort(1)  # nobody can be told: end the job rather than leave it hanging
+            transport.comm.Abort(1)  # nobody can be told: end the job rather than leave it hanging
     try:
         transport.close()
     except Exception:
         traceback.print_exc()
+
+
+def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank added while running
+    """A rank spawned by context 0 while the computation runs (``parent``:
+    context 0 and the ranks spawned with this one): say hello, get the plan,
+    join the live contexts (:meth:`MpiTransport.grow` is their side), serve."""
+    from ..core import marshal
+    MPI = mpi()
+    _hello(parent)
+    go = _poll_messages(parent, SETUP, 1, "waiting for context 0", None,
+                        lambda have: "context 0")[0]
+    if go is None:
+        return  # context 0 gave up on adding contexts
+    marshal.forget_main_snapshot()  # nothing of this process's __main__ is sent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    inter = MPI.COMM_WORLD.Create_intercomm(0, parent, 0, GROW_TAG)
+    comm = inter.Merge(high=True)
+    inter.Free()
+    transport = MpiTransport(comm, go["spin_us"], wake=(go["computation"], go["hosts"]),
+                             members=list(go["live"]) + list(go["ids"]))
+    _serve_on(transport, go, go["init"])
 
 
 def _serve_spawned(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
@@ -1207,7 +1464,10 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         super().__init__(session)
         self.hosts: Dict[int, Tuple[str, int]] = {}
         self.spawned = False
+        self.added: Set[int] = set()  # contexts added while running (spawned ranks)
         self.terminated: Set[int] = set()
+        self.placement: Any = None
+        self.spin_us = 0.0
 
     def start(self, placement, spin_us: float):
         global _world_done
@@ -1215,6 +1475,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         from ..core.context import Engine
         s = self.session
         MPI = mpi()
+        self.placement, self.spin_us = placement, spin_us
         world = world_from_environment()
         hosts = None
         if world is not None and world[1] > 1:
@@ -1234,8 +1495,13 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             # spawned ranks are fresh interpreters: what this process's
             # __main__ defines travels by value
             marshal._main_snapshot = {}
-            inter, comm, hosts = spawn(s.size - 1, "macroflow.transport.mpi:_serve_spawned")
-            release = [comm, inter]
+            if s.size == 1:
+                # nothing to spawn (MPICH's process manager ends this process
+                # when asked to spawn no rank); add_contexts spawns later
+                comm, hosts, release = MPI.COMM_SELF.Dup(), {}, []
+            else:
+                inter, comm, hosts = spawn(s.size - 1, "macroflow.transport.mpi:_serve_spawned")
+                release = [comm, inter]
         try:
             if hosts is None:
                 hosts = _hear_hellos(comm)
@@ -1269,6 +1535,63 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         host, pid = self.hosts.get(peer, ("?", 0))
         return f"its rank left the computation (pid {pid} on {host})"
 
+    def pid(self, ctx: int) -> Optional[int]:
+        return os.getpid() if ctx == 0 else self.hosts.get(ctx, ("", None))[1]
+
+    def protocols(self, ctx: int) -> Optional[Tuple[Tuple[str, str], ...]]:
+        host, pid = (socket.gethostname(), os.getpid()) if ctx == 0 else \
+            self.hosts.get(ctx, ("?", 0))
+        return (("mpi", f"{host}:{pid}:rank{ctx}"),)
+
+    def _spawned_here(self, ctx: int) -> bool:
+        # its process is one this computation spawned (not a rank of mpiexec's job)
+        return self.spawned or ctx in self.added
+
+    def add(self, ids: List[int], init: Any) -> None:
+        """Spawn one rank per id (MPI_Comm_spawn from context 0 alone, so the
+        other contexts serve on while the new interpreters start), then join
+        them with every live context (:meth:`MpiTransport.grow`)."""
+        from ..core import marshal
+        eng = self.engine
+        assert eng is not None
+        t = eng.transport
+        MPI = mpi()
+        blob, bufs = marshal.dumps(init)
+        if bufs:
+            raise ValueError("init must be a function (it pickled with out-of-band buffers)")
+        check_room(len(ids) + 1)
+        try:
+            inter, parent, hellos = spawn(len(ids), "macroflow.transport.mpi:_serve_added")
+        except MPI.Exception as e:
+            raise RuntimeError(
+                f"the mpi transport cannot add contexts here: MPI_Comm_spawn failed "
+                f"({e.Get_error_string().strip()}). Adding contexts needs an MPI process manager "
+                f"that starts processes while a job runs (MPICH's mpiexec, or the one MPICH "
+                f"starts for a program run without mpiexec, does; some batch systems' launchers "
+                f"do not)") from e
+        t.release += [parent, inter]
+        for i, c in enumerate(ids):
+            self.hosts[c] = hellos[i + 1]
+        self.added.update(ids)
+        live = [0] + [c for c in t.peers() if c not in eng.lost]
+        names = {0: socket.gethostname(), **{c: h for c, (h, _) in self.hosts.items()}}
+        plan = {"live": live, "ids": list(ids), "hosts": names,
+                # under mpiexec, the ranks that ran the program found its
+                # __main__'s classes by name; the new ones cannot
+                "main_by_value": not self.spawned}
+        go = dict(plan, computation=self.session.computation, placement=self.placement,
+                  spin_us=self.spin_us, init=bytes(blob))
+        reqs = [parent.isend(go, dest=r, tag=SETUP) for r in range(1, len(ids) + 1)]
+        for c in live[1:]:
+            t.tell_grow(c, plan)
+        t.peer_comm = parent
+        try:
+            t.grow(plan)
+        finally:
+            t.peer_comm = None
+        for r in reqs:
+            r.wait()
+
     def wait(self, grace: float) -> None:
         eng = self.engine
         if eng is None:
@@ -1280,14 +1603,29 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 t._nap(NAP_MIN)
         # then the processes of spawned ranks end (those of mpiexec's ranks
         # end with the job: MPI ends in all of them together)
-        while self.spawned and time.monotonic() < deadline:
+        while (self.spawned or self.added) and time.monotonic() < deadline:
             if not any(_alive(*self.hosts.get(p, ("", 0))) for p in range(1, t.size)
-                       if p in t.gone and _local(self.hosts.get(p, ("", 0))[0])):
+                       if p in t.gone and self._spawned_here(p)
+                       and _local(self.hosts.get(p, ("", 0))[0])):
                 break
             t._progress()
             time.sleep(0.001)
 
     def stop(self) -> None:
+        try:
+            self._stop()
+        finally:
+            # the shared pages of ranks that did not close their transport
+            # (killed, or ended by MPI_Abort): nobody else would remove them
+            import glob
+            for path in glob.glob(Waker.state_path(self.session.computation, 0)[:-1] + "*"):
+                if not path.endswith("-0"):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+    def _stop(self) -> None:
         eng = self.engine
         if eng is None:
             return
@@ -1295,7 +1633,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
 
         def left(p):
             # a rank has left when it said goodbye; a spawned one when its process ended too
-            return p in t.gone and not (self.spawned and _alive(*self.hosts.get(p, ("", 0))))
+            return p in t.gone and not (self._spawned_here(p) and _alive(*self.hosts.get(p, ("", 0))))
 
         stuck = [p for p in range(1, t.size) if p not in self.terminated and not left(p)]
         if not stuck:
