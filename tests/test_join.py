@@ -249,3 +249,20 @@ def test_a_worker_without_tls_cannot_join_a_computation_that_speaks_it():
         assert code == 1 and "could not join" in err
         assert mf.num_contexts() == 2
         assert Where.create(on=1).here().result()[0] == 1
+
+
+def test_a_joined_worker_is_removed_and_ends():
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address, n=1)
+        assert mf.wait_contexts(3, timeout=60) == 3
+        obj = Where.create(on=2)
+        held = obj.here()
+        mf.wait([held])
+        mf.remove_context(2)
+        got = held.result()[0]  # handed over to context 0
+        states = [c.state for c in mf.contexts()]
+        code, err = serve_until_done(w)  # its only context left: the worker ends
+        with pytest.raises(mf.ObjectDestroyed):
+            obj.here().result()
+    assert got == 2 and states == ["running", "running", "removed"]
+    assert code == 0, err

@@ -57,7 +57,8 @@ def test_the_object_model_registers_itself():
 def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
     assert sorted(core.HANDLERS) == sorted(
         [core.FORWARD, core.RELEASE, core.RSR, core.RSR_NOW, core.READY, core.SHUTDOWN,
-         core.FATAL, core.PROBE, core.MEMBERS, core.JOINED])
+         core.FATAL, core.PROBE, core.MEMBERS, core.JOINED, core.RETIRE, core.HANDOVER,
+         core.RETIRED, core.RETIRE_ACK, core.LEFT])
     assert sorted(core.SERVED_WHILE_BUSY) == sorted([core.FORWARD, core.RELEASE, core.RSR_NOW])
     core.register(210, lambda eng, src, msg: None, served_while_busy=True)
     try:

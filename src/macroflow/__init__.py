@@ -29,6 +29,7 @@ from .launch import ContextInfo as ContextInfo
 from .core.threads import poll as poll
 from .launch import Session as Session
 from .launch import add_contexts as add_contexts
+from .launch import remove_context as remove_context
 from .launch import contexts as contexts
 from .launch import wait_contexts as wait_contexts
 from .launch import init as init

@@ -205,6 +205,8 @@ class Launcher:
 
     #: True where other contexts run elsewhere and must be told to stop
     remote = True
+    #: True where a context may leave while the computation runs (remove_context)
+    removable = False
 
     def __init__(self, session: "Session") -> None:
         self.session = session
@@ -247,6 +249,7 @@ class InprocLauncher(Launcher):
     """Every context in this process, stepped in turn by one driver (for tests)."""
 
     remote = False
+    removable = True
 
     def start(self, placement: Placement, spin_us: float) -> Engine:
         from .transport.inproc import InprocTransport, World
@@ -284,6 +287,8 @@ class InprocLauncher(Launcher):
 
 class ForkLauncher(Launcher):
     """Contexts 1..N-1 forked from this process, for the ``local`` transport."""
+
+    removable = True
 
     def __init__(self, session: "Session") -> None:
         super().__init__(session)
@@ -488,8 +493,8 @@ class ContextInfo:
 
     ``node`` is the host it runs on, ``pid`` its process, ``protocols`` the
     (protocol, address) pairs it can be reached by, ``state`` one of
-    "running", "lost" (its process or connection is gone) or "failed" (its
-    ``init`` raised when it was added).
+    "running", "lost" (its process or connection is gone), "removed" (by
+    :func:`remove_context`) or "failed" (its ``init`` raised when it was added).
 
     Example:
         >>> import macroflow as mf
@@ -551,15 +556,19 @@ def contexts() -> List[ContextInfo]:
         if got is not None:
             info = got[0]
             if c in eng.lost and info.state == "running":
-                info = dataclasses.replace(info, state="lost")
+                info = dataclasses.replace(info, state="removed" if c in eng.heirs else "lost")
         else:
             pid = s.launcher.pid(c)
             protocols = s.launcher.protocols(c)
             if protocols is None:
                 proto, addr = eng.transport.address()
                 protocols = ((proto, f"{addr.rsplit(':', 1)[0]}:{pid}"),)
-            info = ContextInfo(c, node_name(), pid, tuple(protocols),
-                               "lost" if c in eng.lost else "running")
+            state = "running"
+            if c in eng.heirs:
+                state = "removed"
+            elif c in eng.lost:
+                state = "lost"
+            info = ContextInfo(c, node_name(), pid, tuple(protocols), state)
         out.append(info)
     return out
 
@@ -654,6 +663,81 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             raise errors.MacroflowError(f"init of new context {c} raised (the context is not "
                                         f"used):\n{error}")
     return ids
+
+
+def remove_context(cid: int, timeout: float = 60.0) -> None:
+    """Retire context ``cid`` while the program runs, and wait until it has left.
+
+    From the call on, no new work is placed on ``cid``. It finishes the calls
+    it has; a stateless call that reaches it later runs elsewhere, and a
+    call to one of its objects fails with :class:`ObjectDestroyed`. The
+    values it holds (results of finished calls, which futures elsewhere may
+    still ask for) are handed over to context 0 first, so no future loses
+    its value; then its process ends. Calls to its objects made later fail
+    with ``ObjectDestroyed`` too, and :func:`contexts` shows it as
+    ``removed``.
+
+    Raises:
+        ValueError: ``cid`` is not the id of a running context other than 0,
+            or the transport cannot remove contexts.
+        RuntimeError: called inside a method, or not on context 0.
+        TimeoutError: ``cid`` did not finish its calls within ``timeout``
+            seconds (it goes on retiring).
+        ContextLost: ``cid`` died while it retired.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.persistent
+        ... class Square:
+        ...     def of(self, x): return x * x
+        >>> def main():
+        ...     s = Square.create(on=1)
+        ...     f = s.of(7)                     # its value is held by context 1
+        ...     mf.remove_context(1)
+        ...     try:
+        ...         s.of(2).result()
+        ...     except mf.ObjectDestroyed:
+        ...         gone = "ObjectDestroyed"
+        ...     return f.result(), gone, [c.state for c in mf.contexts()]
+        >>> mf.run(main, contexts=3, transport="local")
+        (49, 'ObjectDestroyed', ['running', 'removed', 'running'])
+    """
+    from .core import errors
+    if isinstance(cid, bool) or not isinstance(cid, int):
+        raise ValueError(f"remove_context: cid must be a context id (an int); got {cid!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"remove_context: timeout must be a positive number of seconds; "
+                         f"got {timeout!r}")
+    s = _main_session("mf.remove_context()")
+    eng = s.engine
+    assert eng is not None
+    if not getattr(s.launcher, "removable", False):
+        raise ValueError(f"remove_context: the {s.transport_name} transport cannot remove "
+                         f"contexts (local, tcp and inproc can)")
+    if cid == 0:
+        raise ValueError("remove_context: context 0 runs the program and cannot be removed")
+    pending = eng.__dict__.setdefault("_removals_timed_out", set())
+    if cid in eng.heirs and cid in pending:
+        pending.discard(cid)  # asked before, timed out, and done since
+        return
+    if not 0 < cid < eng.size or cid in eng.heirs:
+        raise ValueError(f"remove_context: no running context {cid} (the computation has "
+                         f"contexts 0 to {eng.size - 1}"
+                         f"{'; it was removed already' if cid in eng.heirs else ''})")
+    if cid in eng.lost:
+        raise errors.ContextLost(cid, eng.lost[cid])
+    if cid not in eng.retiring:
+        eng.remove(cid)
+    deadline = time.monotonic() + timeout
+    done = eng.driver.run_until(
+        lambda: cid in eng.left or (cid in eng.lost and cid not in eng.heirs), deadline)
+    if cid in eng.lost and cid not in eng.heirs:
+        raise errors.ContextLost(cid, eng.lost[cid])
+    if not done:
+        pending.add(cid)  # asking again waits for it, or returns once it has left
+        raise errors.TimeoutError(f"remove_context: context {cid} did not finish its calls "
+                                  f"within {timeout} s; it goes on retiring")
+    pending.discard(cid)
 
 
 def new_computation_id() -> str:

@@ -42,9 +42,17 @@ PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
           the initiator (edge chasing, after Chandy, Misra and Haas)
 MEMBERS   contexts up to (op, size) - 1 exist (contexts added while running)
 JOINED    a context added while running reports in: (op, its description)
+RETIRE    (op, cid, heir): context cid is being removed; to cid itself: take
+          no new work, finish what you have, then hand over to heir
+HANDOVER  (op, slots, models), from the retiring context to its heir: the
+          values it holds, and what each model hands over (Model.hand_over)
+RETIRED   (op, cid, heir, members), from the heir: send what was for cid to
+          the heir from now on, after a RETIRE_ACK to cid
+RETIRE_ACK  nothing more will come to the retiring context from the sender
+LEFT      (op,): the retiring context is leaving, to context 0
 ========  ==============================================================
 
-Opcodes 12..255 are free for models (:func:`register`).
+Opcodes 17..255 are free for models (:func:`register`).
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
@@ -85,6 +93,7 @@ from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
 RSR_NOW = 11
+RETIRE, HANDOVER, RETIRED, RETIRE_ACK, LEFT = range(12, 17)
 _encode = marshal._encoder.dumps
 
 # the call kind the core serves itself: a function of the engine, by name
@@ -224,6 +233,12 @@ class Engine:
         # (the object model: a constructor that would have come by then)
         self.seen: Dict[int, int] = {}
         self.call_watch: Dict[int, Callable[[int], None]] = {}
+        # removing contexts while running (see remove_context in launch)
+        self.retiring: set = set()  # contexts being removed: no new work goes there
+        self.heirs: Dict[int, int] = {}  # removed context -> who got what it held
+        self.retire: Optional[Dict[str, Any]] = None  # this context is being removed
+        self.relay_to: Optional[int] = None  # handed over: pass every message on
+        self.left: set = set()  # removed contexts that have left (context 0)
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
         self.releases: Dict[int, List[Any]] = {}
         self.n_releases = 0
@@ -305,6 +320,8 @@ class Engine:
         # queued and leaves in one write per peer when the batch is done;
         # calls made by user code (urgent) leave at once, so a method that
         # calls out and then computes does not hold its calls back.
+        if dest in self.heirs:
+            dest = self.heirs[dest]  # removed: what it held, its heir holds now
         if dest == self.id:
             # call-by-value holds for calls to one's own context too
             self.inbox.append((dest, [bytes(parts[0])] + [bytearray(_raw(p)) for p in parts[1:]],
@@ -367,7 +384,12 @@ class Engine:
                 f"{type(e).__name__}: {e}") from e
         fut = Future(self, fid, dest, oid, site)
         if dest in self.lost:
-            fut._set(False, errors.ContextLost(dest, self.lost[dest]))
+            if dest in self.heirs and oid is not None:
+                fut._set(False, errors.ObjectDestroyed(
+                    f"{site_label(site) or method}: its object was on context {dest}, "
+                    f"which was removed"))
+            else:
+                fut._set(False, errors.ContextLost(dest, self.lost[dest]))
             return fut
         if eager:
             fut._eager = True
@@ -409,7 +431,7 @@ class Engine:
         return args, kwargs, tuple(arcs)
 
     def forward(self, f: Future, dest: int, label: Any) -> None:
-        if f._home in self.lost:
+        if f._home in self.lost and f._home not in self.heirs:
             self.send_error(dest, label, errors.ContextLost(f._home, self.lost[f._home]))
             return
         if f._home == self.id:
@@ -447,7 +469,7 @@ class Engine:
         self.forward(f, self.id, (f._fid, None))
 
     def release(self, f: Future) -> None:
-        if f._home in self.lost:
+        if f._home in self.lost and f._home not in self.heirs:
             return
         self.releases.setdefault(f._home, []).append((f._fid, f._arcs))
         if f._big:
@@ -596,6 +618,9 @@ class Engine:
                 self._on_lost(self.lost_queue.pop(0))
                 if self.inbox or self.ready:
                     self._process()
+            if self.retire is not None and self.relay_to is None and self.active == 0 \
+                    and not self.ready and not self.inbox:
+                self._hand_over()  # retiring, and done with what it had
         finally:
             self.dispatching = False
             _state.current = prev
@@ -614,6 +639,9 @@ class Engine:
                 self.grow(src + 1)
                 self.loads[src] = load
             b0 = bufs[0]
+            if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
+                self._relay_frame(bufs)
+                continue
             if b0[0] == _V:
                 _, ok, a0, a1 = _VGET.unpack_from(b0)
                 data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]
@@ -685,10 +713,14 @@ class Engine:
             # a class this process cannot rebuild (a stateless object's): one
             # whose methods fail with the reason
             target = (_Unreadable.of(err), (), {})
-        return (CALL, fid, kind, target, method, _Unreadable.of(err)(), {}, (),
-                route | PINNED, caller)
+        return self.failing((CALL, fid, kind, target, method, None, None, None, route, caller),
+                            err)
 
     def _on_call(self, src, msg) -> None:
+        if self.retire is not None:
+            kind = self.call_kinds.get(msg[2])
+            if kind is not None:
+                msg = kind.refuse(msg)
         _, fid, kind, target, method, args, kwargs, arcs, route, caller = msg
         call = Call(fid, kind, target, method, args, kwargs, arcs, route, caller)
         slot = self.slots.get(fid)
@@ -713,7 +745,7 @@ class Engine:
             for label, home in arcs:
                 if label in tokens:
                     continue
-                if home in self.lost:
+                if home in self.lost and home not in self.heirs:
                     tokens[label] = (False, errors.ContextLost(home, self.lost[home]))
                     continue
                 self.awaiting[label] = call
@@ -906,7 +938,7 @@ class Engine:
     def _relay(self, slot: Slot, to_fid, home, dest, label) -> None:
         if home == self.id:
             self._on_forward(to_fid, dest, label)
-        elif home in self.lost:
+        elif home in self.lost and home not in self.heirs:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
             # remembered: if home is lost before it answers, the requester is told
@@ -946,7 +978,7 @@ class Engine:
             if alias is not None and slot.keep is None and alias[1] != self.id:
                 # a transferred call: its value lives where the call moved to
                 slot.alias = None
-                if alias[1] not in self.lost:
+                if alias[1] not in self.lost or alias[1] in self.heirs:
                     self.send(alias[1], (RELEASE, _pack_release([(alias[0], slot.expect)])))
 
     def _on_release(self, items) -> None:
@@ -1006,6 +1038,104 @@ class Engine:
         f._ready_remote = True
         if f._asked:
             self.forward(f, self.id, (fid, None))
+
+    # ------------------------------------------------------------------ removal
+    # Removing context c (launch.remove_context, on context 0, which is the heir):
+    # RETIRE to every context (no new work goes to c); c finishes what it has
+    # and refuses what comes, then sends HANDOVER (its values, its objects'
+    # labels) to the heir; the heir sends RETIRED to every context, which
+    # answers c with RETIRE_ACK and from then on sends what was for c to the
+    # heir. c passes on what still comes until every ack is in, then LEFT.
+    def remove(self, cid: int, heir: int = 0) -> None:
+        """Start removing context ``cid`` (see launch.remove_context)."""
+        self.retiring.add(cid)
+        for c in self.context_ids():
+            if c != self.id:
+                self.send(c, (RETIRE, cid, heir))
+        self.transport.flush()
+
+    def _on_retire(self, cid: int, heir: int) -> None:
+        self.retiring.add(cid)
+        if cid == self.id and self.retire is None:
+            self.retire = {"heir": heir, "members": None, "acks": set()}
+
+    def failing(self, msg: tuple, error: BaseException) -> tuple:
+        """The CALL ``msg`` made into one that fails with ``error`` when its
+        turn comes (its arguments raise it), in its place among its caller's
+        calls. For call kinds refusing calls, and for calls that could not be
+        unpickled."""
+        _, fid, kind, target, method, _args, _kw, _arcs, route, caller = msg
+        return (CALL, fid, kind, target, method, _Unreadable.of(error)(), {}, (),
+                route | PINNED, caller)
+
+    def _hand_over(self) -> None:
+        heir = self.retire["heir"]
+        slots = []
+        for fid, slot in self.slots.items():
+            data = slot.data
+            slots.append((fid, slot.state, slot.ok,
+                          None if data is None else bytes(_raw(data)),
+                          [bytes(_raw(b)) for b in slot.bufs], slot.subs, slot.alias,
+                          slot.released, slot.served, slot.expect))
+        models = {name: m.hand_over() for name, m in self.models.items()}
+        self.relay_to = heir
+        self.send(heir, (HANDOVER, slots, models))
+        self.transport.flush()
+
+    def _on_handover(self, cid: int, slots: list, models: dict) -> None:
+        for fid, state, ok, data, bufs, subs, alias, released, served, expect in slots:
+            slot = self.slots.get(fid)
+            if slot is not None and slot.state == FINISHED:
+                continue  # it is here already
+            new = Slot()
+            new.state, new.ok, new.data, new.bufs = state, ok, data, bufs
+            new.alias, new.released, new.served, new.expect = alias, released, served, expect
+            new.subs = (slot.subs if slot is not None else []) + list(subs)
+            self.slots[fid] = new
+            if new.state == FINISHED and new.alias is None and new.subs:
+                waiting, new.subs = new.subs, []
+                for dest, label in waiting:
+                    self._send_value(dest, label, new)
+        for name, data in models.items():
+            if data is not None and name in self.models:
+                self.models[name].take_over(cid, data)
+        members = [c for c in self.context_ids() if c != cid]
+        for c in members:
+            if c != self.id:
+                self.send(c, (RETIRED, cid, self.id, None))
+        self.send(cid, (RETIRED, cid, self.id, members))
+        self._mark_removed(cid, self.id)
+        self.transport.flush()
+
+    def _on_retired(self, cid: int, heir: int, members: Optional[list]) -> None:
+        if cid == self.id:  # the heir's own ack, with whom else to wait for
+            self.retire["members"] = set(members)
+            self._on_retire_ack(heir)
+            return
+        self.send(cid, (RETIRE_ACK,))  # before what follows goes to the heir
+        self._mark_removed(cid, heir)
+
+    def _mark_removed(self, cid: int, heir: int) -> None:
+        # lost, for everything that counts live contexts; but what is sent
+        # there goes to the heir (send_frame), and nothing of it fails
+        self.lost.setdefault(cid, "removed by mf.remove_context")
+        self.heirs[cid] = heir
+        self.retiring.discard(cid)
+
+    def _on_retire_ack(self, src: int) -> None:
+        r = self.retire
+        if r is None:
+            return
+        r["acks"].add(src)
+        members = r["members"]
+        if members is not None and all(c in r["acks"] or c in self.lost for c in members):
+            self.send(0, (LEFT,))
+            self.transport.flush()
+            self.stopping = True
+
+    def _relay_frame(self, bufs: List[Any]) -> None:
+        # received buffers may be reused once this returns: copies go on
+        self.send_frame(self.relay_to, [bytes(_raw(b)) for b in bufs])
 
     # ------------------------------------------------------------------ RSR
     def _on_rsr(self, msg) -> None:
@@ -1437,7 +1567,7 @@ def register(opcode: int, handler: Handler, served_while_busy: bool = False) -> 
     context computes (see "Service while a context computes" in the guide).
 
     Opcodes are small ints (0..255) taken by one handler each: the core's own
-    are ``CALL`` to ``RSR_NOW``. Register when the module is imported, so that
+    are ``CALL`` to ``LEFT`` (0..16). Register when the module is imported, so that
     every context (a forked or spawned process imports it too) knows it.
 
     Raises:
@@ -1558,6 +1688,13 @@ class CallKind:
     def abandon(self, call: Call) -> None:
         """An internal error ended the running ``call``: free what it held."""
 
+    def refuse(self, msg: tuple) -> tuple:
+        """The CALL ``msg`` reached this context after it began to retire
+        (``mf.remove_context``): return what to serve in its place. By
+        default the call itself (it runs); a kind may return
+        ``engine.failing(msg, error)``, or let :meth:`arrived` pass it on."""
+        return msg
+
 
 class Model:
     """A programming model's part of one engine: the kinds of CALL it serves,
@@ -1595,6 +1732,16 @@ class Model:
 
     def snapshot(self, d: Dict[str, Any]) -> None:
         """Add this model's figures to ``mf.stats()``'s dict ``d``."""
+
+    def hand_over(self) -> Any:
+        """This context is being removed and has finished its calls: return
+        what its heir must know (picklable; None for nothing). What it hosts
+        takes no new work from here on."""
+        return None
+
+    def take_over(self, cid: int, data: Any) -> None:
+        """This context is the heir of removed context ``cid``, which handed
+        over ``data`` (see :meth:`hand_over`)."""
 
 
 #: name -> factory(engine) -> Model, for every registered model
@@ -1753,6 +1900,11 @@ register(FATAL, _serve_fatal)
 register(PROBE, _serve_probe)
 register(MEMBERS, _serve_members)
 register(JOINED, _serve_joined)
+register(RETIRE, lambda eng, src, msg: eng._on_retire(msg[1], msg[2]))
+register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))
+register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]))
+register(RETIRE_ACK, lambda eng, src, msg: eng._on_retire_ack(src))
+register(LEFT, lambda eng, src, msg: eng.left.add(src))
 
 
 _PROTO, _FRAME, _MARK, _BININT1 = 0x80, 0x95, 0x28, 0x4B

@@ -143,8 +143,8 @@ class Placement:
         return 0 if dest is None else dest
 
     def choose(self, eng: Any, exclude: Optional[int]) -> Optional[int]:
-        """The location policy: a context other than ``exclude`` and not lost,
-        or None if there is none.
+        """The location policy: a context other than ``exclude``, not lost and
+        not being removed, or None if there is none.
 
         Example:
             >>> import macroflow as mf
@@ -154,7 +154,9 @@ class Placement:
             ...     [p.choose(current_engine(), exclude=None) for _ in range(4)]
             [1, 2, 0, 1]
         """
-        cands = [c for c in range(eng.size) if c != exclude and c not in eng.lost]
+        retiring = eng.retiring
+        cands = [c for c in range(eng.size)
+                 if c != exclude and c not in eng.lost and c not in retiring]
         if not cands:
             return None
         if self.policy == "random":

@@ -112,6 +112,7 @@ class ObjectHost(Model):
         # ids still waiting, by creator.
         self.unborn: Dict[int, List[Any]] = {}
         self.tombstones: Dict[Any, str] = {}  # recently removed objects: their labels
+        self.orphans: Dict[Any, str] = {}  # objects of removed contexts: their labels
         self.regular_pool: Dict[Any, List[Any]] = {}
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
@@ -145,12 +146,24 @@ class ObjectHost(Model):
     def snapshot(self, d: Dict[str, Any]) -> None:
         d["objects"] = len(self.objects)
 
+    def hand_over(self) -> Any:
+        # the heir answers later calls to these objects: they were removed
+        labels = {oid: f"{obj.label} (on context {self.eng.id}, which was removed)"
+                  for oid, obj in self.objects.items()}
+        labels.update(self.orphans)
+        for obj in self.objects.values():
+            obj.state = "destroyed"
+        return labels
+
+    def take_over(self, cid: int, data: Any) -> None:
+        self.orphans.update(data)
+
     # ------------------------------------------------------------------ the object table
     def _unknown_object(self, oid, call: Call, target) -> HostedObject:
         obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
         if call.kind == CREATE:
             return obj
-        label = self.tombstones.get(oid)
+        label = self.tombstones.get(oid) or self.orphans.get(oid)
         if label is not None:
             obj.label, obj.state = label, "destroyed"
         elif self.eng.seen.get(oid[0], 0) >= oid[1]:
@@ -351,6 +364,13 @@ class ObjectCalls(CallKind):
         super().__init__(host.eng)
         self.host = host
 
+    def refuse(self, msg: tuple) -> tuple:
+        method = msg[4]
+        what = f"{method}()" if method else "its constructor"
+        return self.eng.failing(msg, errors.ObjectDestroyed(
+            f"{what} reached context {self.eng.id} as it was being removed; its objects "
+            f"take no new calls"))
+
     def accept(self, call: Call) -> None:
         host = self.host
         target = call.target
@@ -439,6 +459,10 @@ class RegularCalls(CallKind):
     def arrived(self, call: Call, msg: tuple, src: int) -> bool:
         return not call.route & PINNED and self._maybe_transfer(call, msg, src)
 
+    def refuse(self, msg: tuple) -> tuple:
+        # a stateless call runs elsewhere: arrived() passes it on
+        return msg[:8] + (msg[8] & ~PINNED, msg[9])
+
     def accept(self, call: Call) -> None:
         if call.missing == 0:
             self._start_free(call)
@@ -477,8 +501,9 @@ class RegularCalls(CallKind):
         pl = eng.placement
         hops = msg[8] >> 2
         # a call from here was counted when issued, a remote one not yet
-        if hops >= pl.transfer_limit or eng.load() - (src == eng.id) < pl.threshold:
-            return False
+        if eng.retire is None and (hops >= pl.transfer_limit or
+                                   eng.load() - (src == eng.id) < pl.threshold):
+            return False  # (a retiring context passes every stateless call on)
         dest = pl.choose(eng, exclude=eng.id)
         if dest is None or dest == eng.id:
             return False

@@ -1,0 +1,246 @@
+"""Contexts retired while the program runs (mf.remove_context), on every
+transport that can remove them."""
+
+import gc
+import os
+import time
+
+import psutil
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _not_on_mpi(request):
+    if "transport" in request.fixturenames and request.getfixturevalue("transport") == "mpi":
+        pytest.skip("an MPI rank cannot leave a running job (test_mpi_refuses_clearly)")
+
+
+@mf.persistent
+class Square:
+    def of(self, x):
+        return x * x
+
+    def pid(self):
+        return os.getpid()
+
+    def slow(self, n):
+        return sum(range(n))  # still running, or queued, when the removal starts
+
+    def take(self, x):
+        return x
+
+
+@mf.regular
+class Where:
+    def here(self):
+        return mf.context_id()
+
+
+@mf.persistent
+class Remover:
+    def remove(self):
+        mf.remove_context(2)
+
+
+def test_values_it_held_survive_and_its_objects_fail_later_calls(run):
+    def main():
+        s, other = Square.create(on=1), Square.create(on=2)
+        asked = s.of(7)
+        asked.result()  # known here
+        held = s.of(3)  # held by context 1 until someone asks
+        mf.wait([held])
+        mf.remove_context(1)
+        out = {"asked": asked.result(), "held": held.result(),
+               "as_argument": other.take(held).result()}
+        with pytest.raises(mf.ObjectDestroyed, match="was on context 1, which was removed"):
+            s.of(2).result()
+        return out, [c.state for c in mf.contexts()]
+
+    out, states = run(main, contexts=3)
+    assert out == {"asked": 49, "held": 9, "as_argument": 9}
+    assert states == ["running", "removed", "running"]
+
+
+def test_a_value_passed_on_before_removal_reaches_its_consumer(run):
+    def main():
+        s, other = Square.create(on=1), Square.create(on=2)
+        held = s.of(5)
+        mf.wait([held])
+        mf.remove_context(1)
+        return other.take(held).result()  # context 2 asks context 1's heir
+
+    assert run(main, contexts=3) == 25
+
+
+def test_calls_it_had_finish_before_it_leaves(run):
+    def main():
+        s = Square.create(on=1)
+        work = [s.slow(200_000 + i) for i in range(5)]  # sent before the removal
+        mf.remove_context(1)
+        return [f.result() for f in work]
+
+    assert run(main, contexts=2) == [sum(range(200_000 + i)) for i in range(5)]
+
+
+def test_new_work_goes_elsewhere(run):
+    def main():
+        mf.remove_context(1)
+        regular = {Where().here().result() for _ in range(12)}
+        persistent = {mf.info(Square.create()).context for _ in range(6)}
+        with pytest.raises(mf.ContextLost, match="removed by mf.remove_context"):
+            Where.create(on=1).here().result()
+        return regular, persistent, sorted(mf.stats())
+
+    regular, persistent, stats = run(main, contexts=3)
+    assert 1 not in regular and 1 not in persistent
+    assert stats == [0, 2]
+
+
+def test_its_process_ends(run, transport):
+    if transport == "inproc":
+        pytest.skip("inproc: every context is this process")
+
+    def main():
+        pid = Square.create(on=1).pid().result()
+        mf.remove_context(1)
+        return pid
+
+    pid = None
+
+    def body():
+        nonlocal pid
+        pid = main()
+        proc = psutil.Process(pid) if psutil.pid_exists(pid) else None
+        if proc is not None:
+            try:
+                proc.wait(timeout=20)
+            except psutil.NoSuchProcess:
+                pass
+        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+    assert run(body, contexts=3) is False
+
+
+def test_values_handed_over_are_released_at_the_heir(run):
+    def main():
+        s = Square.create(on=1)
+        futs = [s.of(i) for i in range(10)]
+        mf.wait(futs)
+        mf.remove_context(1)
+        held_by_0 = mf.stats()[0]["values_held"]
+        del futs
+        gc.collect()
+        for _ in range(70):  # releases travel in batches: push one out
+            Square.create(on=2).of(1).result()
+        return held_by_0, mf.stats()[0]["values_held"]
+
+    before, after = run(main, contexts=3)
+    assert before >= 10 and after <= before - 10
+
+
+@pytest.mark.parametrize("cid, match", [
+    (0, "context 0 runs the program"),
+    (5, "no running context 5"),
+    ("1", "cid must be a context id"),
+    (True, "cid must be a context id"),
+])
+def test_bad_ids_are_refused(run, cid, match):
+    def main():
+        with pytest.raises(ValueError, match=match):
+            mf.remove_context(cid)
+        return mf.num_contexts()
+
+    assert run(main, contexts=2) == 2
+
+
+def test_removing_twice_is_refused(run):
+    def main():
+        mf.remove_context(1)
+        with pytest.raises(ValueError, match="removed already"):
+            mf.remove_context(1)
+        return {Where().here().result() for _ in range(6)}
+
+    assert 1 not in run(main, contexts=3)
+
+
+def test_only_main_can_remove_contexts(run):
+    def main():
+        with pytest.raises(RuntimeError, match="inside a method"):
+            Remover.create(on=1).remove().result()
+        return mf.num_contexts()
+
+    assert run(main, contexts=3) == 3
+
+
+def test_a_bad_timeout_is_refused(run):
+    def main():
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            mf.remove_context(1, timeout=-1)
+        return True
+
+    assert run(main, contexts=2)
+
+
+def test_added_contexts_can_be_removed(run):
+    def main():
+        (new,) = mf.add_contexts(1)
+        s = Square.create(on=new)
+        f = s.of(6)
+        mf.wait([f])
+        mf.remove_context(new)
+        return f.result(), [c.state for c in mf.contexts()]
+
+    assert run(main, contexts=2) == (36, ["running", "running", "removed"])
+
+
+@pytest.mark.skipif("mpi" not in __import__("conftest").TRANSPORTS, reason="no MPI here")
+def test_mpi_refuses_clearly():
+    def main():
+        with pytest.raises(ValueError, match="the mpi transport cannot remove contexts"):
+            mf.remove_context(1)
+        return True
+
+    assert mf.run(main, contexts=2, transport="mpi")
+
+
+@mf.persistent
+class Gatekeeper:
+    def wait_for(self, path):
+        while not os.path.exists(path):  # opened by main, after what it checks
+            time.sleep(0.005)
+        return True
+
+
+@mf.persistent
+class Caller:
+    def call_late(self, keeper, other, path):
+        keeper.wait_for(path).result()  # until context 1 has begun to retire
+        try:
+            return other.of(3).result()
+        except mf.ObjectDestroyed as e:
+            return str(e)
+
+
+def test_a_call_that_comes_while_it_retires_fails_and_a_timeout_leaves_it_retiring(
+        run, transport, tmp_path):
+    if transport == "inproc":
+        pytest.skip("inproc: the gate's wait would hold the one thread every context shares")
+    gate = str(tmp_path / "gate")
+
+    def main():
+        caller, other = Caller.create(on=1), Square.create(on=1)
+        late = caller.call_late(Gatekeeper.create(on=2), other, gate)
+        with pytest.raises(mf.TimeoutError, match="goes on retiring"):
+            mf.remove_context(1, timeout=0.3)  # call_late cannot end yet
+        placed = {Where().here().result() for _ in range(6)}  # none on 1 meanwhile
+        open(gate, "w").close()
+        mf.remove_context(1)
+        return late.result(), placed
+
+    late, placed = run(main, contexts=3)
+    assert "reached context 1 as it was being removed" in late, late
+    assert 1 not in placed
