@@ -237,10 +237,12 @@ def test_a_call_that_comes_while_it_retires_fails_and_a_timeout_leaves_it_retiri
         with pytest.raises(mf.TimeoutError, match="goes on retiring"):
             mf.remove_context(1, timeout=0.3)  # call_late cannot end yet
         placed = {Where().here().result() for _ in range(6)}  # none on 1 meanwhile
+        meanwhile = [c.state for c in mf.contexts()]
         open(gate, "w").close()
         mf.remove_context(1)
-        return late.result(), placed
+        return late.result(), placed, meanwhile
 
-    late, placed = run(main, contexts=3)
+    late, placed, meanwhile = run(main, contexts=3)
     assert "reached context 1 as it was being removed" in late, late
     assert 1 not in placed
+    assert meanwhile == ["running", "retiring", "running"]

@@ -493,8 +493,9 @@ class ContextInfo:
 
     ``node`` is the host it runs on, ``pid`` its process, ``protocols`` the
     (protocol, address) pairs it can be reached by, ``state`` one of
-    "running", "lost" (its process or connection is gone), "removed" (by
-    :func:`remove_context`) or "failed" (its ``init`` raised when it was added).
+    "running", "lost" (its process or connection is gone), "retiring" and then
+    "removed" (by :func:`remove_context`) or "failed" (its ``init`` raised when it
+    was added).
 
     Example:
         >>> import macroflow as mf
@@ -557,6 +558,8 @@ def contexts() -> List[ContextInfo]:
             info = got[0]
             if c in eng.lost and info.state == "running":
                 info = dataclasses.replace(info, state="removed" if c in eng.heirs else "lost")
+            elif c in eng.retiring and info.state == "running":
+                info = dataclasses.replace(info, state="retiring")
         else:
             pid = s.launcher.pid(c)
             protocols = s.launcher.protocols(c)
@@ -568,6 +571,8 @@ def contexts() -> List[ContextInfo]:
                 state = "removed"
             elif c in eng.lost:
                 state = "lost"
+            elif c in eng.retiring:
+                state = "retiring"
             info = ContextInfo(c, node_name(), pid, tuple(protocols), state)
         out.append(info)
     return out
