@@ -246,3 +246,33 @@ def test_a_call_that_comes_while_it_retires_fails_and_a_timeout_leaves_it_retiri
     assert "reached context 1 as it was being removed" in late, late
     assert 1 not in placed
     assert meanwhile == ["running", "retiring", "running"]
+
+
+@mf.persistent
+class Spinner:
+    def pid(self):
+        return os.getpid()
+
+    def spin(self):
+        while True:
+            sum(range(1000))
+
+
+def test_a_context_that_dies_while_it_retires_is_reported_lost(run, transport):
+    if transport == "inproc":
+        pytest.skip("inproc: a context cannot be killed apart from the program")
+    import signal
+    import threading
+
+    def main():
+        s = Spinner.create(on=1)
+        pid = s.pid().result()
+        f = s.spin()  # never ends: the removal waits for it
+        threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(mf.ContextLost, match="SIGKILL"):
+            mf.remove_context(1, timeout=30)
+        with pytest.raises(mf.ContextLost):
+            f.result(timeout=30)
+        return [c.state for c in mf.contexts()]
+
+    assert run(main, contexts=2) == ["running", "lost"]
