@@ -110,6 +110,28 @@ def test_threshold_zero_passes_every_received_call_on_while_the_limit_allows(run
     assert 0 < moved < 30 and 0 not in ran  # only calls placed on busy context 0 move
 
 
+def test_a_call_passed_back_to_a_context_it_left_is_answered_there(run):
+    # With 3 contexts and 3 moves a call may end where it was first sent
+    # (round-robin: 0 -> 1 -> 2 -> 1). The value is asked for only once the
+    # call has run, so the request reaches that first context after the call
+    # came back: it must be answered there, not relayed round the contexts.
+    def main():
+        h = Where()
+        fs = []
+        for i in range(1, 7):
+            fs.append(h.ctx())  # not asked for: no request travels with the call
+            while sum(s["calls_executed"] for s in mf.stats().values()) < i:
+                pass
+        homes = [f.home for f in fs]
+        ran = [f.result(timeout=20) for f in fs]
+        return homes, ran, sum(s["calls_transferred"] for s in mf.stats().values())
+
+    homes, ran, moved = run(main, contexts=3,
+                            placement=Placement("round-robin", threshold=0, transfer_limit=3))
+    assert moved == 6 * 2
+    assert any(h == r for h, r in zip(homes, ran))  # some call came back to its first context
+
+
 def test_placement_validation():
     with pytest.raises(ValueError, match="placement policy"):
         Placement("closest")

@@ -726,6 +726,8 @@ class Engine:
         slot = self.slots.get(fid)
         if slot is None:
             slot = self.slots[fid] = Slot()
+        elif slot.alias is not None and slot.keep is None:
+            self._came_back(slot)
         slot.call = call
         if src == fid[0] and fid[1] > self.seen.get(src, 0):
             self.seen[src] = fid[1]
@@ -780,6 +782,18 @@ class Engine:
             # the new home sends the value to the caller unasked; should it be
             # lost first, this context tells the caller
             slot.subs.append((call.fid[0], (call.fid, None)))
+
+    def _came_back(self, slot: Slot) -> None:
+        # A call passed on from here has come back (transfer_limit allows it
+        # to revisit a context). Its value will be here again: were the alias
+        # kept, a request arriving from now on would be relayed around the
+        # aliases, which lead back here, for ever, and never answered. What
+        # was relayed meanwhile follows the aliases back here and is answered
+        # (and counted) when it arrives, so it is forgotten now rather than
+        # answered twice.
+        slot.alias = None
+        slot.subs = []
+        slot.served = 0
 
     def _invoke(self, fn, call: Call, *pre) -> None:
         if fn is None:
