@@ -177,8 +177,12 @@ class FirstToEnd:
         if not self.first:
             return None
         reported = mpiexec_report(output)
+        first = list(self.first)
+        if len(first) > 1 and reported is not None:
+            # ended too close together to order: the one mpiexec names first
+            first.sort(key=lambda e: e[1] != reported[0])
         parts = []
-        for rank, pid, host, status in self.first:
+        for rank, pid, host, status in first:
             if status is not None and not os.WIFSIGNALED(status):
                 return None  # it exited (its error was printed): nothing to add
             if status is not None:
@@ -217,7 +221,9 @@ def mpiexec_report(output: str) -> Optional[tuple]:
 
 def _last_ran(pid: int) -> float:
     """When (scheduler clock, ms) process ``pid`` last ran: for one that has
-    just ended, when it ended; infinity if that cannot be read (reaped)."""
+    just ended, when it ended. Minus infinity if that cannot be read: its
+    parent has reaped it already, which it does in the order they end, so it
+    ended before any that is still there to read."""
     try:
         with open(f"/proc/{pid}/sched") as f:
             for line in f:
@@ -225,7 +231,7 @@ def _last_ran(pid: int) -> float:
                     return float(line.split(":")[1])
     except (OSError, ValueError, IndexError):
         pass
-    return float("inf")
+    return float("-inf")
 
 
 def _exit_status(pid: int) -> Optional[int]:
