@@ -225,3 +225,38 @@ def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
     assert "arguments of take()" in out["persistent"]
     assert out["create"].startswith("Keeper could not be created")
     assert out["after"] == 5
+
+
+def test_plain_arrays_travel_as_bytes_dtype_and_shape():
+    # a plain dtype is named, not pickled as an object: the message is smaller
+    # than numpy's own pickle; every array comes back equal, writable as sent
+    for a in (np.zeros(1), np.arange(6, dtype=">i4").reshape(2, 3), np.zeros((0, 3)),
+              np.array(2.5), np.array(["ab", "c"]), np.ones(3, dtype=np.complex64),
+              np.array([True, False])):
+        data, bufs = marshal.dumps(a)
+        assert len(data) < len(pickle.dumps(a, protocol=5)), a.dtype
+        back = marshal.loads(data, bufs)
+        assert type(back) is np.ndarray and back.dtype == a.dtype and back.shape == a.shape
+        assert np.array_equal(back, a) and back.flags.writeable
+    frozen = np.arange(4)
+    frozen.flags.writeable = False
+    assert not marshal.loads(*marshal.dumps(frozen)).flags.writeable
+
+
+def test_other_arrays_keep_numpys_own_pickle():
+    for a in (np.arange(10)[::2], np.zeros((3, 2), order="F")[:, :1].T,
+              np.zeros(2, dtype=[("x", "i4"), ("y", "f8")]), np.array([1, "x"], dtype=object),
+              np.array(["2020-01-01"], dtype="M8[ns]"), np.ma.masked_array([1, 2], [0, 1])):
+        data, bufs = marshal.dumps(a)
+        back = marshal.loads(data, bufs)
+        assert type(back) is type(a) and back.dtype == a.dtype and back.shape == a.shape
+        assert back.tolist() == a.tolist()
+
+
+def test_a_global_pointer_sent_twice_is_one_object_at_the_receiver():
+    from macroflow.core.gptr import GlobalPointer
+    g = GlobalPointer(1, "export", (1, 7), (("local", "h:1"),), "c0ffee")
+    a, b = marshal.loads(*marshal.dumps(g)), marshal.loads(*marshal.dumps([g]))[0]
+    assert a is b and a == g and (a.protocols, a.computation) == (g.protocols, g.computation)
+    other = GlobalPointer(1, "export", (1, 7), (("local", "h:1"),), "beef")
+    assert marshal.loads(*marshal.dumps(other)) is not a

@@ -23,6 +23,9 @@ import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import cloudpickle
+import numpy as np
+
+from .gptr import GlobalPointer
 
 # Below this a buffer is cheaper to copy into the stream than to carry apart.
 OOB_THRESHOLD = 32 * 1024
@@ -37,6 +40,12 @@ _ref_ok: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> by 
 # blob -> obj: a class sent twice is one class at the receiver (bounded, oldest out)
 _loaded_cache: dict = {}
 _LOADED_MAX = 4096
+# functions and classes of importable modules found to travel by reference:
+# they live in their modules anyway, and a plain dict is the quickest check
+_by_ref: dict = {}
+# pickled global pointer -> the pointer: one object per pointer at a receiver
+# (bounded, oldest out), so what mf.rsr() keeps on it serves every request
+_pointers: dict = {}
 
 
 def snapshot_main() -> None:
@@ -83,6 +92,8 @@ def _needs_value(obj: Any) -> bool:
         _ref_ok[obj] = ok
     except TypeError:
         pass
+    if ok and module != "__main__" and len(_by_ref) < _LOADED_MAX:
+        _by_ref[obj] = True
     return not ok
 
 
@@ -96,12 +107,91 @@ def _load_by_value(blob: bytes) -> Any:
     return obj
 
 
+def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:
+    """Rebuild an array pickled by :func:`_reduce_array` on its buffer (no copy).
+
+    Example:
+        >>> a = np.arange(6, dtype=">i4").reshape(2, 3)
+        >>> b = loads(*dumps(a))
+        >>> b.dtype.str, b.shape, bool((a == b).all())
+        ('>i4', (2, 3), True)
+    """
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+# dtype -> its str if that names it exactly and it exports a buffer (a plain
+# numeric, bool or string type), else None: structured, object, datetime or
+# annotated dtypes keep numpy's own reduction
+_plain_dtypes: dict = {}
+
+
+def _plain(dt: np.dtype) -> Optional[str]:
+    name = dt.str
+    if dt.kind not in "biufcSU" or dt.fields is not None or dt.subdtype is not None or \
+            dt.metadata is not None or np.dtype(name) != dt:
+        name = None
+    _plain_dtypes[dt] = name
+    return name
+
+
+def _reduce_array(a: np.ndarray) -> Any:
+    # numpy's own reduction pickles the dtype as an object, which costs more
+    # than the rest of a small message; a C-contiguous array of a plain dtype
+    # travels as its bytes (out of band when large), the dtype's name and shape
+    if not a.flags.c_contiguous:
+        return NotImplemented
+    dt = a.dtype
+    try:
+        name = _plain_dtypes[dt]
+    except KeyError:
+        name = _plain(dt)
+    if name is None:
+        return NotImplemented
+    return _array, (pickle.PickleBuffer(a), name, a.shape)
+
+
+def _pointer(blob: bytes) -> GlobalPointer:
+    """Rebuild a global pointer pickled by :func:`_reduce_pointer`; the same
+    pointer sent again is the same object here.
+
+    Example:
+        >>> g = GlobalPointer(1, "export", (1, 4), (("local", "h:1"),), "c0ffee")
+        >>> h = loads(*dumps(g))
+        >>> h == g, h.protocols, h.computation, loads(*dumps(g)) is h
+        (True, (('local', 'h:1'),), 'c0ffee', True)
+    """
+    g = _pointers.get(blob)
+    if g is None:
+        g = GlobalPointer(*pickle.loads(blob))
+        if len(_pointers) >= _LOADED_MAX:
+            del _pointers[next(iter(_pointers))]
+        _pointers[blob] = g
+    return g
+
+
+def _reduce_pointer(g: GlobalPointer) -> Any:
+    blob = g._blob
+    if blob is None:
+        blob = g._blob = pickle.dumps((g.context, g.kind, g.ident, g.protocols, g.computation),
+                                      protocol=5)
+    return _pointer, (blob,)
+
+
 class _Pickler(pickle.Pickler):
     # reducer_override is not consulted for str/int/float/bytes/None, so small
     # messages pay for it only on their containers.
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
+        if t is np.ndarray:
+            return _reduce_array(obj)
+        if t is GlobalPointer:
+            return _reduce_pointer(obj)
         if t is types.FunctionType or isinstance(obj, type):
+            try:
+                if obj in _by_ref:
+                    return NotImplemented
+            except TypeError:  # a class whose metaclass makes it unhashable
+                pass
             if _needs_value(obj):
                 blob = _by_value_cache.get(obj)
                 if blob is None:
