@@ -260,3 +260,28 @@ def test_a_global_pointer_sent_twice_is_one_object_at_the_receiver():
     assert a is b and a == g and (a.protocols, a.computation) == (g.protocols, g.computation)
     other = GlobalPointer(1, "export", (1, 7), (("local", "h:1"),), "beef")
     assert marshal.loads(*marshal.dumps(other)) is not a
+
+
+def test_request_arguments_with_an_array_first_skip_the_pickle():
+    frozen = np.arange(3)
+    frozen.flags.writeable = False
+    big, big2 = np.arange(50_000.0), np.arange(40_000, dtype=np.int32)
+    cases = [(np.zeros(1),), (np.array(2.5), "x", 3), (np.zeros((0, 4)),),
+             (np.arange(6, dtype=">i2").reshape(3, 2), {"k": [1]}), (big, "x", big2),
+             (np.arange(10)[::3],), (frozen,), ("no array", np.zeros(2)), ()]
+    for args in cases:
+        data, bufs = marshal.dumps_args(args)
+        # an array first, writable and contiguous: described, not pickled
+        described = bool(args) and type(args[0]) is np.ndarray and \
+            args[0].flags.c_contiguous and args[0].flags.writeable
+        assert (data[1:2] != b"\x80") == described, args  # else: one pickle
+        back = marshal.loads_args(data, [bytearray(b.raw()) for b in bufs])
+        assert len(back) == len(args)
+        for x, y in zip(args, back):
+            if isinstance(x, np.ndarray):
+                assert y.dtype == x.dtype and y.shape == x.shape and np.array_equal(x, y)
+                assert y.flags.writeable == x.flags.writeable
+            else:
+                assert x == y
+    data, bufs = marshal.dumps_args((big, big2))
+    assert [b.raw().nbytes for b in bufs] == [big.nbytes, big2.nbytes]

@@ -309,3 +309,26 @@ def test_a_handler_the_target_cannot_import_is_reported_and_skipped(run, capfd):
 
     assert run(main, contexts=2) == [(3, 1)]
     assert capfd.readouterr().err.count("could not decode a message from context 0") == 2
+
+
+def _keep_both(got, a, b):
+    got.append((a.copy(), b.copy()))
+
+
+def test_two_large_arrays_arrive_each_in_its_place(run):
+    def main():
+        got = []
+        home = mf.export(got)
+        a, b = np.arange(60_000.0), np.arange(50_000, dtype=np.int32)[::-1].copy()
+        box = Mailbox.create(on=1)
+        mf.rsr(mf.info(box).gptr, _relay_both, a, b, home)
+        eng = mf.core.context.current_engine()
+        eng.driver.run_until(lambda: got)
+        (a2, b2), = got
+        return np.array_equal(a, a2), np.array_equal(b, b2), a2.dtype == a.dtype, b2.dtype == b.dtype
+
+    assert run(main, contexts=2) == (True, True, True, True)
+
+
+def _relay_both(box, a, b, home):
+    mf.rsr(home, _keep_both, a, b)

@@ -112,7 +112,8 @@ _VGET = struct.Struct("<BBqq")
 _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
 # compact RSR frames: b"R" op thread 0 keylen, then the key (the pickled
-# (gid, handler), the same bytes every time), then the arguments' pickle
+# (gid, handler), the same bytes every time), then the arguments
+# (marshal.dumps_args)
 _RHEAD = struct.Struct("<BBBBI")
 _R = ord("R")
 _RSR_THREADS = ("inline", "new")
@@ -1953,7 +1954,7 @@ def rsr_frame(op: int, gid: Any, handler: Any, thread: str) -> bytes:
 
     Example:
         >>> head = rsr_frame(RSR, ("export", (1, 2)), len, "new")
-        >>> data, bufs = marshal.dumps(("x", 3))
+        >>> data, bufs = marshal.dumps_args(("x", 3))
         >>> _rsr_msg([head + data, *bufs])
         (4, ('export', (1, 2)), <built-in function len>, ('x', 3), 'new')
         >>> _peek_op(head) == RSR
@@ -1978,7 +1979,7 @@ def _rsr_msg(bufs: List[Any]) -> tuple:
         if len(_rsr_keys) >= _RSR_KEYS_MAX:
             del _rsr_keys[next(iter(_rsr_keys))]
         _rsr_keys[key] = known
-    args = marshal.loads(memoryview(b0)[end:], bufs[1:]) if len(b0) > end else ()
+    args = marshal.loads_args(memoryview(b0)[end:], bufs[1:]) if len(b0) > end else ()
     if op == RSR_NOW:
         return (RSR_NOW, known[0], known[1], args)
     return (op, known[0], known[1], args, _RSR_THREADS[code])

@@ -179,7 +179,7 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         eng.post_frame(gptr.context, [head])
 
 
-_encode = marshal.dumps
+_encode = marshal.dumps_args
 _SENT_MAX = 16  # (handler, thread) pairs kept per pointer; more start afresh
 
 
