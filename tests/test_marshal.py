@@ -285,3 +285,15 @@ def test_request_arguments_with_an_array_first_skip_the_pickle():
                 assert x == y
     data, bufs = marshal.dumps_args((big, big2))
     assert [b.raw().nbytes for b in bufs] == [big.nbytes, big2.nbytes]
+
+
+def test_request_arguments_with_pointers_first_skip_the_pickle():
+    from macroflow.core.gptr import GlobalPointer
+    short = GlobalPointer(1, "export", (1, 2), (("local", "h:1"),), "c0ffee")
+    long = GlobalPointer(2, "object", (0, 9), tuple(("tcp", f"host{i}:{i}") for i in range(40)), "beef")
+    arr = np.arange(4.0)
+    data, bufs = marshal.dumps_args((short, arr, long, "rest", short))
+    assert data[1:2] != b"\x80"
+    back = marshal.loads_args(data, bufs)
+    assert back[0] == short and back[2] == long and back[2].protocols == long.protocols
+    assert back[0] is back[4] and back[3] == "rest" and np.array_equal(back[1], arr)

@@ -270,8 +270,13 @@ def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
     return pickle.loads(data, buffers=buffers)
 
 
-_ARGS_PICKLED, _ARGS_ARRAY = 0, 1
+# the arguments of a request (dumps_args): a form byte, 0 (a pickle follows)
+# or 1: a run of described arguments, each an item byte and its description,
+# up to an _END byte, then the pickle of the arguments after them, if any
+_ARGS_PICKLED, _ARGS_DESCRIBED = 0, 1
+_END, _ARRAY, _POINTER = 0, ord("a"), ord("p")
 _OUT_OF_BAND = (1 << 64) - 1
+_PLEN = struct.Struct("<H")
 _shapes: dict = {}  # ndim -> Struct of (ndim, dims..., inline length)
 _heads: dict = {}  # dtype name -> the start of an array's description
 _dtypes: dict = {}  # dtype name, encoded -> the dtype
@@ -286,8 +291,11 @@ def _shape_struct(ndim: int) -> struct.Struct:
 
 def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
     """Encode the arguments of a remote service request: like :func:`dumps`,
-    but a first argument that is a plain numpy array (the commonest request
-    carries one) is described by its dtype's name and shape, not pickled.
+    but the leading arguments that are plain numpy arrays (described by dtype
+    name and shape; the bytes in the message, or out of band from
+    :data:`OOB_THRESHOLD`) or global pointers (their cached fields) are not
+    pickled: naming their rebuilding functions in a pickle costs a module
+    lookup at each end, more than the rest of a small request.
 
     Example:
         >>> data, bufs = dumps_args((np.arange(3.0), "x"))
@@ -299,63 +307,104 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
         >>> len(bufs), float(loads_args(data, [bytearray(b.raw()) for b in bufs])[0].sum())
         (1, 50000.0)
     """
-    a = args[0] if args else None
-    if type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable:
-        dt = a.dtype
-        try:
-            name = _plain_dtypes[dt]
-        except KeyError:
-            name = _plain(dt)
-        if name is not None:
+    parts: List[Any] = []
+    oob: List[Any] = []
+    i = 0
+    for a in args:
+        t = type(a)
+        if t is np.ndarray:
+            if not (a.flags.c_contiguous and a.flags.writeable):
+                break
+            dt = a.dtype
+            try:
+                name = _plain_dtypes[dt]
+            except KeyError:
+                name = _plain(dt)
+            if name is None:
+                break
             head = _heads.get(name)
             if head is None:
                 raw_name = name.encode()
-                head = _heads[name] = bytes((_ARGS_ARRAY, len(raw_name))) + raw_name
-            rest = args[1:]
-            data, bufs = _encoder.dumps(rest) if rest else (b"", [])
+                head = _heads[name] = bytes((_ARRAY, len(raw_name))) + raw_name
             shape = a.shape
             pb = pickle.PickleBuffer(a)
             raw = pb.raw()
             n = raw.nbytes
+            parts.append(head)
             if n < OOB_THRESHOLD:
-                return b"".join((head, _shape_struct(len(shape)).pack(len(shape), *shape, n),
-                                 raw, data)), bufs
-            return b"".join((head, _shape_struct(len(shape)).pack(len(shape), *shape,
-                                                                  _OUT_OF_BAND), data)), \
-                [pb, *bufs]
-    data, bufs = _encoder.dumps(args)
-    return b"\x00" + data, bufs
+                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, n))
+                parts.append(raw)
+            else:
+                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, _OUT_OF_BAND))
+                oob.append(pb)
+        elif t is GlobalPointer:
+            blob = a._blob or _reduce_pointer(a)[1][0]
+            parts.append(_PLEN.pack(_POINTER | len(blob) << 8) if len(blob) < 256
+                         else bytes((_POINTER, 0)) + _PLEN.pack(len(blob)))
+            parts.append(blob)
+        else:
+            break
+        i += 1
+    if not i:
+        data, bufs = _encoder.dumps(args)
+        return b"\x00" + data, bufs
+    parts.append(b"\x00")
+    if i < len(args):
+        data, bufs = _encoder.dumps(args[i:])
+        parts.append(data)
+        oob.extend(bufs)
+    return b"\x01" + b"".join(parts), oob
 
 
 def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
     """Inverse of :func:`dumps_args`.
 
     Example:
+        >>> g = GlobalPointer(1, "export", (1, 2), (), "c0ffee")
         >>> loads_args(*dumps_args((1, [2])))
         (1, [2])
+        >>> loads_args(*dumps_args((g, np.zeros(2), {3})))
+        (GlobalPointer(ctx=1, export=(1, 2), via=), array([0., 0.]), {3})
     """
     mv = memoryview(data)
     if mv[0] == _ARGS_PICKLED:
         return pickle.loads(mv[1:], buffers=buffers)
-    n = mv[1]
-    pos = 2 + n
-    name = bytes(mv[2:pos])
-    dt = _dtypes.get(name)
-    if dt is None:
-        dt = _dtypes[name] = np.dtype(name.decode())
-    st = _shape_struct(mv[pos])
-    fields = st.unpack_from(mv, pos)
-    pos += st.size
-    size = fields[-1]
-    if size == _OUT_OF_BAND:
-        buf, buffers = buffers[0], buffers[1:]
-    else:
-        buf = bytearray(mv[pos:pos + size])
-        pos += size
-    a = np.frombuffer(buf, dt).reshape(fields[1:-1])
-    if pos == len(mv):
-        return (a,)
-    return (a, *pickle.loads(mv[pos:], buffers=buffers))
+    out: List[Any] = []
+    pos = 1
+    nbuf = 0
+    while True:
+        kind = mv[pos]
+        if kind == _ARRAY:
+            end = pos + 2 + mv[pos + 1]
+            name = bytes(mv[pos + 2:end])
+            dt = _dtypes.get(name)
+            if dt is None:
+                dt = _dtypes[name] = np.dtype(name.decode())
+            st = _shape_struct(mv[end])
+            fields = st.unpack_from(mv, end)
+            pos = end + st.size
+            size = fields[-1]
+            if size == _OUT_OF_BAND:
+                buf = buffers[nbuf]
+                nbuf += 1
+            else:
+                buf = bytearray(mv[pos:pos + size])
+                pos += size
+            out.append(np.frombuffer(buf, dt).reshape(fields[1:-1]))
+        elif kind == _POINTER:
+            size = mv[pos + 1]
+            pos += 2
+            if not size:
+                size = _PLEN.unpack_from(mv, pos)[0]
+                pos += 2
+            out.append(_pointer(bytes(mv[pos:pos + size])))
+            pos += size
+        else:
+            pos += 1
+            break
+    if pos < len(mv):
+        out.extend(pickle.loads(mv[pos:], buffers=buffers[nbuf:]))
+    return tuple(out)
 
 
 class StandIn:

@@ -159,7 +159,12 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
     if thread not in THREADS:
         raise ValueError(f"thread must be 'inline', 'new' or 'now'; got {thread!r}")
     if type(gptr) is GlobalPointer:
-        eng = current_engine_of(gptr.computation, "global pointer", gptr)
+        try:
+            eng = current_engine()
+        except RuntimeError:
+            eng = None
+        if eng is None or (eng.computation != gptr.computation and gptr.computation is not None):
+            eng = current_engine_of(gptr.computation, "global pointer", gptr)  # raises why
         sent = gptr._sent
         head = sent[1].get((handler, thread)) if sent is not None and sent[0]() is eng else None
         if head is None:
