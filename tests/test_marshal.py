@@ -225,3 +225,75 @@ def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
     assert "arguments of take()" in out["persistent"]
     assert out["create"].startswith("Keeper could not be created")
     assert out["after"] == 5
+
+
+def test_plain_arrays_travel_as_bytes_dtype_and_shape():
+    # a plain dtype is named, not pickled as an object: the message is smaller
+    # than numpy's own pickle; every array comes back equal, writable as sent
+    for a in (np.zeros(1), np.arange(6, dtype=">i4").reshape(2, 3), np.zeros((0, 3)),
+              np.array(2.5), np.array(["ab", "c"]), np.ones(3, dtype=np.complex64),
+              np.array([True, False])):
+        data, bufs = marshal.dumps(a)
+        assert len(data) < len(pickle.dumps(a, protocol=5)), a.dtype
+        back = marshal.loads(data, bufs)
+        assert type(back) is np.ndarray and back.dtype == a.dtype and back.shape == a.shape
+        assert np.array_equal(back, a) and back.flags.writeable
+    frozen = np.arange(4)
+    frozen.flags.writeable = False
+    assert not marshal.loads(*marshal.dumps(frozen)).flags.writeable
+
+
+def test_other_arrays_keep_numpys_own_pickle():
+    for a in (np.arange(10)[::2], np.zeros((3, 2), order="F")[:, :1].T,
+              np.zeros(2, dtype=[("x", "i4"), ("y", "f8")]), np.array([1, "x"], dtype=object),
+              np.array(["2020-01-01"], dtype="M8[ns]"), np.ma.masked_array([1, 2], [0, 1])):
+        data, bufs = marshal.dumps(a)
+        back = marshal.loads(data, bufs)
+        assert type(back) is type(a) and back.dtype == a.dtype and back.shape == a.shape
+        assert back.tolist() == a.tolist()
+
+
+def test_a_global_pointer_sent_twice_is_one_object_at_the_receiver():
+    from macroflow.core.gptr import GlobalPointer
+    g = GlobalPointer(1, "export", (1, 7), (("local", "h:1"),), "c0ffee")
+    a, b = marshal.loads(*marshal.dumps(g)), marshal.loads(*marshal.dumps([g]))[0]
+    assert a is b and a == g and (a.protocols, a.computation) == (g.protocols, g.computation)
+    other = GlobalPointer(1, "export", (1, 7), (("local", "h:1"),), "beef")
+    assert marshal.loads(*marshal.dumps(other)) is not a
+
+
+def test_request_arguments_with_an_array_first_skip_the_pickle():
+    frozen = np.arange(3)
+    frozen.flags.writeable = False
+    big, big2 = np.arange(50_000.0), np.arange(40_000, dtype=np.int32)
+    cases = [(np.zeros(1),), (np.array(2.5), "x", 3), (np.zeros((0, 4)),),
+             (np.arange(6, dtype=">i2").reshape(3, 2), {"k": [1]}), (big, "x", big2),
+             (np.arange(10)[::3],), (frozen,), ("no array", np.zeros(2)), ()]
+    for args in cases:
+        data, bufs = marshal.dumps_args(args)
+        # an array first, writable and contiguous: described, not pickled
+        described = bool(args) and type(args[0]) is np.ndarray and \
+            args[0].flags.c_contiguous and args[0].flags.writeable
+        assert (data[1:2] != b"\x80") == described, args  # else: one pickle
+        back = marshal.loads_args(data, [bytearray(b.raw()) for b in bufs])
+        assert len(back) == len(args)
+        for x, y in zip(args, back):
+            if isinstance(x, np.ndarray):
+                assert y.dtype == x.dtype and y.shape == x.shape and np.array_equal(x, y)
+                assert y.flags.writeable == x.flags.writeable
+            else:
+                assert x == y
+    data, bufs = marshal.dumps_args((big, big2))
+    assert [b.raw().nbytes for b in bufs] == [big.nbytes, big2.nbytes]
+
+
+def test_request_arguments_with_pointers_first_skip_the_pickle():
+    from macroflow.core.gptr import GlobalPointer
+    short = GlobalPointer(1, "export", (1, 2), (("local", "h:1"),), "c0ffee")
+    long = GlobalPointer(2, "object", (0, 9), tuple(("tcp", f"host{i}:{i}") for i in range(40)), "beef")
+    arr = np.arange(4.0)
+    data, bufs = marshal.dumps_args((short, arr, long, "rest", short))
+    assert data[1:2] != b"\x80"
+    back = marshal.loads_args(data, bufs)
+    assert back[0] == short and back[2] == long and back[2].protocols == long.protocols
+    assert back[0] is back[4] and back[3] == "rest" and np.array_equal(back[1], arr)

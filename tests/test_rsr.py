@@ -222,3 +222,113 @@ def test_a_request_for_a_pointer_that_names_nothing_is_reported_not_run(run, cap
 
     assert run(main, contexts=2) == ([], 1, 0)
     assert "was not run: nothing is there" in capfd.readouterr().err
+
+
+def _echo_back(target, data, home, thread):
+    mf.rsr(home, _land, data, mf.context_id(), thread=thread)
+
+
+def _land(got, data, ctx):
+    got.append((data.copy(), ctx))
+
+
+def test_a_handler_answers_through_a_pointer_it_was_sent(run):
+    # the round trip of the nexus benchmark, with every thread and a large
+    # array: what comes back is what was sent, in order
+    def main():
+        box = Mailbox.create(on=1)
+        got = []
+        home = mf.export(got)
+        sent = []
+        for i, thread in enumerate(["inline", "new", "now", "inline", "new"] * 2):
+            a = np.arange(5 + 20_000 * (i % 2), dtype=np.float64) * i
+            sent.append(a)
+            mf.rsr(mf.info(box).gptr, _echo_back, a, home, thread, thread=thread)
+        eng = mf.core.context.current_engine()
+        eng.driver.run_until(lambda: len(got) == len(sent))
+        return [np.array_equal(a, b) for a, (b, _) in zip(sent, got)], {c for _, c in got}
+
+    same, contexts = run(main, contexts=2)
+    assert same == [True] * 10 and contexts == {1}
+
+
+def test_one_pointer_with_several_handlers_runs_each_in_order(run):
+    def main():
+        box = Mailbox.create(on=1)
+        g = mf.info(box).gptr
+        for i in range(6):
+            mf.rsr(g, deposit if i % 2 else record_value, i)
+        mf.rsr(g, deposit, "no arguments but the box", thread="new")
+        return box.items().result()
+
+    got = run(main, contexts=2)
+    assert got == [("v", 0), (1, 1), ("v", 2), (3, 1), ("v", 4), (5, 1),
+                   ("no arguments but the box", 1)]
+
+
+def record_value(box, x):
+    box.got.append(("v", x))
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this one stays home")
+
+
+def test_arguments_that_cannot_be_pickled_fail_the_request_not_the_next(run):
+    def main():
+        box = Mailbox.create(on=1)
+        g = mf.info(box).gptr
+        with pytest.raises(mf.CallError, match="deposit: this one stays home"):
+            mf.rsr(g, deposit, _Unpicklable())
+        mf.rsr(g, deposit, "later")
+        return box.items().result()
+
+    assert run(main, contexts=2) == [("later", 1)]
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"], indirect=True)
+def test_a_handler_the_target_cannot_import_is_reported_and_skipped(run, capfd):
+    import sys
+    import types
+
+    def main():
+        # made after the contexts started: context 1 has no such module
+        mod = types.ModuleType("_mf_rsr_made_late")
+        exec("def late(box, x):\n    box.got.append(x)\n", mod.__dict__)
+        sys.modules[mod.__name__] = mod
+        try:
+            box = Mailbox.create(on=1)
+            g = mf.info(box).gptr
+            mf.rsr(g, mod.late, 1)
+            mf.rsr(g, mod.late, 2)
+            mf.rsr(g, deposit, 3)
+            return box.items().result()
+        finally:
+            del sys.modules[mod.__name__]
+
+    assert run(main, contexts=2) == [(3, 1)]
+    assert capfd.readouterr().err.count("could not decode a message from context 0") == 2
+
+
+def _keep_both(got, a, b):
+    got.append((a.copy(), b.copy()))
+
+
+def test_two_large_arrays_arrive_each_in_its_place(run):
+    def main():
+        got = []
+        home = mf.export(got)
+        a, b = np.arange(60_000.0), np.arange(50_000, dtype=np.int32)[::-1].copy()
+        box = Mailbox.create(on=1)
+        mf.rsr(mf.info(box).gptr, _relay_both, a, b, home)
+        eng = mf.core.context.current_engine()
+        eng.driver.run_until(lambda: got)
+        (a2, b2), = got
+        return np.array_equal(a, a2), np.array_equal(b, b2), a2.dtype == a.dtype, b2.dtype == b.dtype
+
+    assert run(main, contexts=2) == (True, True, True, True)
+
+
+def _relay_both(box, a, b, home):
+    mf.rsr(home, _keep_both, a, b)

@@ -30,7 +30,8 @@ FORWARD   send the value of fid, when known, to dest under label; the consumer
           caller sends one message per call whatever its arguments
 RELEASE   the issuer dropped these futures: (fid, arcs) pairs, where arcs is
           how many consumers were given the future and may still ask
-RSR       remote service request: (op, gid, handler, args, thread)
+RSR       remote service request: (op, gid, handler, args, thread); sent as
+          a compact frame (see :func:`rsr_frame`), or pickled like the others
 RSR_NOW   remote service request to run at once, even while a method computes
           here: (op, gid, handler, args); see SERVED_WHILE_BUSY
 SHUTDOWN  leave the progress loop
@@ -110,6 +111,14 @@ PROBE_PATH_MAX = 256  # longer wait chains are not followed
 _VGET = struct.Struct("<BBqq")
 _VARC = struct.Struct("<BBqqqq")
 _V, _W = ord("V"), ord("W")
+# compact RSR frames: b"R" op thread 0 keylen, then the key (the pickled
+# (gid, handler), the same bytes every time), then the arguments
+# (marshal.dumps_args)
+_RHEAD = struct.Struct("<BBBBI")
+_R = ord("R")
+_RSR_THREADS = ("inline", "new")
+_RSR_KEYS_MAX = 4096
+_rsr_keys: Dict[bytes, Tuple[Any, Any]] = {}  # key -> (gid, handler), decoded once
 _TIMEOUT = object()
 _MISSING = object()
 #: What Model.resolve returns when a global pointer names nothing here.
@@ -653,7 +662,7 @@ class Engine:
                 self._on_value(((a0, a1), (c0, c1)), ok, data, bufs[2:])
                 continue
             try:
-                msg = marshal.loads(bufs[0], bufs[1:])
+                msg = _rsr_msg(bufs) if b0[0] == _R else marshal.loads(b0, bufs[1:])
             except Exception as e:
                 msg = self._undecodable(src, bufs, e)
                 if msg is None:
@@ -1230,6 +1239,12 @@ class Engine:
             return self._from_user(self.post, dest, header)
         self.send(dest, header)
 
+    def post_frame(self, dest: int, parts: List[Any]) -> None:
+        """Send one encoded frame on behalf of user code (see :func:`rsr_frame`)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.send_frame, dest, parts)
+        self.send_frame(dest, parts)
+
     def poll(self) -> int:
         """Serve the messages that have arrived and need no user code (see
         SERVED_WHILE_BUSY); the others stay queued. Returns how many were served."""
@@ -1280,7 +1295,7 @@ class Engine:
             return False
         self.loads[src] = load
         try:
-            msg = marshal.loads(b0, bufs[1:])
+            msg = _rsr_msg(bufs) if b0[0] == _R else marshal.loads(b0, bufs[1:])
         except Exception as e:
             print(f"macroflow: context {self.id} could not decode a message from "
                   f"context {src}: {e!r}", file=sys.stderr)
@@ -1935,7 +1950,7 @@ def _peek_op(b0) -> int:
         (True, -1)
     """
     if len(b0) < 4 or b0[0] != _PROTO:
-        return -1
+        return b0[1] if len(b0) >= _RHEAD.size and b0[0] == _R else -1
     i = 2
     if b0[i] == _FRAME:
         i += 9
@@ -1944,6 +1959,44 @@ def _peek_op(b0) -> int:
     if i + 1 < len(b0) and b0[i] == _BININT1:
         return b0[i + 1]
     return -1
+
+
+def rsr_frame(op: int, gid: Any, handler: Any, thread: str) -> bytes:
+    """The start of a compact RSR frame to ``gid`` with ``handler``: the same
+    for every request of that pair, so a sender keeps it; the arguments'
+    pickle follows it (see :func:`_rsr_msg`).
+
+    Example:
+        >>> head = rsr_frame(RSR, ("export", (1, 2)), len, "new")
+        >>> data, bufs = marshal.dumps_args(("x", 3))
+        >>> _rsr_msg([head + data, *bufs])
+        (4, ('export', (1, 2)), <built-in function len>, ('x', 3), 'new')
+        >>> _peek_op(head) == RSR
+        True
+    """
+    key, bufs = marshal.dumps((gid, handler))
+    if bufs:  # a pointer or handler that pickles a large buffer: not worth a key
+        raise ValueError(f"remote service request handler {handler!r} pickles large buffers")
+    code = 0 if op == RSR_NOW else _RSR_THREADS.index(thread)
+    return _RHEAD.pack(_R, op, code, 0, len(key)) + key
+
+
+def _rsr_msg(bufs: List[Any]) -> tuple:
+    """The message a compact RSR frame carries, as its pickled form would be."""
+    b0 = bufs[0]
+    _, op, code, _, n = _RHEAD.unpack_from(b0)
+    end = _RHEAD.size + n
+    key = bytes(b0[_RHEAD.size:end])
+    known = _rsr_keys.get(key)
+    if known is None:
+        known = marshal.loads(key)
+        if len(_rsr_keys) >= _RSR_KEYS_MAX:
+            del _rsr_keys[next(iter(_rsr_keys))]
+        _rsr_keys[key] = known
+    args = marshal.loads_args(memoryview(b0)[end:], bufs[1:]) if len(b0) > end else ()
+    if op == RSR_NOW:
+        return (RSR_NOW, known[0], known[1], args)
+    return (op, known[0], known[1], args, _RSR_THREADS[code])
 
 
 def _raw(p) -> memoryview:

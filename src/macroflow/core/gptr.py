@@ -30,7 +30,11 @@ class GlobalPointer:
         (2, 'export', ('local',), '1a2b3c4d')
     """
 
-    __slots__ = ("context", "kind", "ident", "protocols", "computation")
+    # Kept on the pointer, not pickled: _sent, what mf.rsr() worked out for it
+    # in a context, so that later requests skip it (a weak reference to the
+    # engine, {(handler, thread): the frame's start}); _blob, its fields
+    # pickled once (see macroflow.core.marshal)
+    __slots__ = ("context", "kind", "ident", "protocols", "computation", "_sent", "_blob")
 
     def __init__(self, context: int, kind: str, ident: Any, protocols: Tuple[Tuple[str, str], ...] = (),
                  computation: Optional[str] = None):
@@ -39,6 +43,8 @@ class GlobalPointer:
         self.ident = ident
         self.protocols = tuple(protocols)
         self.computation = computation
+        self._sent: Any = None
+        self._blob: Optional[bytes] = None
 
     def protocol_names(self) -> Tuple[str, ...]:
         """The protocols that reach the pointer's context, best first.

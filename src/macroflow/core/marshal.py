@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import io
 import pickle
+import struct
 import sys
 import types
 import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import cloudpickle
+import numpy as np
+
+from .gptr import GlobalPointer
 
 # Below this a buffer is cheaper to copy into the stream than to carry apart.
 OOB_THRESHOLD = 32 * 1024
@@ -37,6 +41,12 @@ _ref_ok: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> by 
 # blob -> obj: a class sent twice is one class at the receiver (bounded, oldest out)
 _loaded_cache: dict = {}
 _LOADED_MAX = 4096
+# functions and classes of importable modules found to travel by reference:
+# they live in their modules anyway, and a plain dict is the quickest check
+_by_ref: dict = {}
+# pickled global pointer -> the pointer: one object per pointer at a receiver
+# (bounded, oldest out), so what mf.rsr() keeps on it serves every request
+_pointers: dict = {}
 
 
 def snapshot_main() -> None:
@@ -83,6 +93,8 @@ def _needs_value(obj: Any) -> bool:
         _ref_ok[obj] = ok
     except TypeError:
         pass
+    if ok and module != "__main__" and len(_by_ref) < _LOADED_MAX:
+        _by_ref[obj] = True
     return not ok
 
 
@@ -96,12 +108,91 @@ def _load_by_value(blob: bytes) -> Any:
     return obj
 
 
+def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:
+    """Rebuild an array pickled by :func:`_reduce_array` on its buffer (no copy).
+
+    Example:
+        >>> a = np.arange(6, dtype=">i4").reshape(2, 3)
+        >>> b = loads(*dumps(a))
+        >>> b.dtype.str, b.shape, bool((a == b).all())
+        ('>i4', (2, 3), True)
+    """
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+# dtype -> its str if that names it exactly and it exports a buffer (a plain
+# numeric, bool or string type), else None: structured, object, datetime or
+# annotated dtypes keep numpy's own reduction
+_plain_dtypes: dict = {}
+
+
+def _plain(dt: np.dtype) -> Optional[str]:
+    name = dt.str
+    if dt.kind not in "biufcSU" or dt.itemsize == 0 or dt.fields is not None or dt.subdtype is not None or \
+            dt.metadata is not None or np.dtype(name) != dt:
+        name = None
+    _plain_dtypes[dt] = name
+    return name
+
+
+def _reduce_array(a: np.ndarray) -> Any:
+    # numpy's own reduction pickles the dtype as an object, which costs more
+    # than the rest of a small message; a C-contiguous array of a plain dtype
+    # travels as its bytes (out of band when large), the dtype's name and shape
+    if not a.flags.c_contiguous:
+        return NotImplemented
+    dt = a.dtype
+    try:
+        name = _plain_dtypes[dt]
+    except KeyError:
+        name = _plain(dt)
+    if name is None:
+        return NotImplemented
+    return _array, (pickle.PickleBuffer(a), name, a.shape)
+
+
+def _pointer(blob: bytes) -> GlobalPointer:
+    """Rebuild a global pointer pickled by :func:`_reduce_pointer`; the same
+    pointer sent again is the same object here.
+
+    Example:
+        >>> g = GlobalPointer(1, "export", (1, 4), (("local", "h:1"),), "c0ffee")
+        >>> h = loads(*dumps(g))
+        >>> h == g, h.protocols, h.computation, loads(*dumps(g)) is h
+        (True, (('local', 'h:1'),), 'c0ffee', True)
+    """
+    g = _pointers.get(blob)
+    if g is None:
+        g = GlobalPointer(*pickle.loads(blob))
+        if len(_pointers) >= _LOADED_MAX:
+            del _pointers[next(iter(_pointers))]
+        _pointers[blob] = g
+    return g
+
+
+def _reduce_pointer(g: GlobalPointer) -> Any:
+    blob = g._blob
+    if blob is None:
+        blob = g._blob = pickle.dumps((g.context, g.kind, g.ident, g.protocols, g.computation),
+                                      protocol=5)
+    return _pointer, (blob,)
+
+
 class _Pickler(pickle.Pickler):
     # reducer_override is not consulted for str/int/float/bytes/None, so small
     # messages pay for it only on their containers.
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
+        if t is np.ndarray:
+            return _reduce_array(obj)
+        if t is GlobalPointer:
+            return _reduce_pointer(obj)
         if t is types.FunctionType or isinstance(obj, type):
+            try:
+                if obj in _by_ref:
+                    return NotImplemented
+            except TypeError:  # a class whose metaclass makes it unhashable
+                pass
             if _needs_value(obj):
                 blob = _by_value_cache.get(obj)
                 if blob is None:
@@ -177,6 +268,143 @@ def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
         [1, 'two', 3.0]
     """
     return pickle.loads(data, buffers=buffers)
+
+
+# the arguments of a request (dumps_args): a form byte, 0 (a pickle follows)
+# or 1: a run of described arguments, each an item byte and its description,
+# up to an _END byte, then the pickle of the arguments after them, if any
+_ARGS_PICKLED, _ARGS_DESCRIBED = 0, 1
+_END, _ARRAY, _POINTER = 0, ord("a"), ord("p")
+_OUT_OF_BAND = (1 << 64) - 1
+_PLEN = struct.Struct("<H")
+_shapes: dict = {}  # ndim -> Struct of (ndim, dims..., inline length)
+_heads: dict = {}  # dtype name -> the start of an array's description
+_dtypes: dict = {}  # dtype name, encoded -> the dtype
+
+
+def _shape_struct(ndim: int) -> struct.Struct:
+    s = _shapes.get(ndim)
+    if s is None:
+        s = _shapes[ndim] = struct.Struct(f"<B{ndim}qQ")
+    return s
+
+
+def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
+    """Encode the arguments of a remote service request: like :func:`dumps`,
+    but the leading arguments that are plain numpy arrays (described by dtype
+    name and shape; the bytes in the message, or out of band from
+    :data:`OOB_THRESHOLD`) or global pointers (their cached fields) are not
+    pickled: naming their rebuilding functions in a pickle costs a module
+    lookup at each end, more than the rest of a small request.
+
+    Example:
+        >>> data, bufs = dumps_args((np.arange(3.0), "x"))
+        >>> a, x = loads_args(data, bufs)
+        >>> a.tolist(), x, a.flags.writeable
+        ([0.0, 1.0, 2.0], 'x', True)
+        >>> big = np.ones(50_000)
+        >>> data, bufs = dumps_args((big,))
+        >>> len(bufs), float(loads_args(data, [bytearray(b.raw()) for b in bufs])[0].sum())
+        (1, 50000.0)
+    """
+    parts: List[Any] = []
+    oob: List[Any] = []
+    i = 0
+    for a in args:
+        t = type(a)
+        if t is np.ndarray:
+            if not (a.flags.c_contiguous and a.flags.writeable):
+                break
+            dt = a.dtype
+            try:
+                name = _plain_dtypes[dt]
+            except KeyError:
+                name = _plain(dt)
+            if name is None:
+                break
+            head = _heads.get(name)
+            if head is None:
+                raw_name = name.encode()
+                head = _heads[name] = bytes((_ARRAY, len(raw_name))) + raw_name
+            shape = a.shape
+            pb = pickle.PickleBuffer(a)
+            raw = pb.raw()
+            n = raw.nbytes
+            parts.append(head)
+            if n < OOB_THRESHOLD:
+                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, n))
+                parts.append(raw)
+            else:
+                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, _OUT_OF_BAND))
+                oob.append(pb)
+        elif t is GlobalPointer:
+            blob = a._blob or _reduce_pointer(a)[1][0]
+            parts.append(_PLEN.pack(_POINTER | len(blob) << 8) if len(blob) < 256
+                         else bytes((_POINTER, 0)) + _PLEN.pack(len(blob)))
+            parts.append(blob)
+        else:
+            break
+        i += 1
+    if not i:
+        data, bufs = _encoder.dumps(args)
+        return b"\x00" + data, bufs
+    parts.append(b"\x00")
+    if i < len(args):
+        data, bufs = _encoder.dumps(args[i:])
+        parts.append(data)
+        oob.extend(bufs)
+    return b"\x01" + b"".join(parts), oob
+
+
+def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
+    """Inverse of :func:`dumps_args`.
+
+    Example:
+        >>> g = GlobalPointer(1, "export", (1, 2), (), "c0ffee")
+        >>> loads_args(*dumps_args((1, [2])))
+        (1, [2])
+        >>> loads_args(*dumps_args((g, np.zeros(2), {3})))
+        (GlobalPointer(ctx=1, export=(1, 2), via=), array([0., 0.]), {3})
+    """
+    mv = memoryview(data)
+    if mv[0] == _ARGS_PICKLED:
+        return pickle.loads(mv[1:], buffers=buffers)
+    out: List[Any] = []
+    pos = 1
+    nbuf = 0
+    while True:
+        kind = mv[pos]
+        if kind == _ARRAY:
+            end = pos + 2 + mv[pos + 1]
+            name = bytes(mv[pos + 2:end])
+            dt = _dtypes.get(name)
+            if dt is None:
+                dt = _dtypes[name] = np.dtype(name.decode())
+            st = _shape_struct(mv[end])
+            fields = st.unpack_from(mv, end)
+            pos = end + st.size
+            size = fields[-1]
+            if size == _OUT_OF_BAND:
+                buf = buffers[nbuf]
+                nbuf += 1
+            else:
+                buf = bytearray(mv[pos:pos + size])
+                pos += size
+            out.append(np.frombuffer(buf, dt).reshape(fields[1:-1]))
+        elif kind == _POINTER:
+            size = mv[pos + 1]
+            pos += 2
+            if not size:
+                size = _PLEN.unpack_from(mv, pos)[0]
+                pos += 2
+            out.append(_pointer(bytes(mv[pos:pos + size])))
+            pos += size
+        else:
+            pos += 1
+            break
+    if pos < len(mv):
+        out.extend(pickle.loads(mv[pos:], buffers=buffers[nbuf:]))
+    return tuple(out)
 
 
 class StandIn:

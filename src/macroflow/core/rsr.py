@@ -10,10 +10,11 @@ interrupt would: use them for library-level machinery, not user methods.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Tuple
 
 from . import errors, marshal
-from .context import RSR, RSR_NOW, current_engine
+from .context import RSR, RSR_NOW, current_engine, rsr_frame
 from .future import current_engine_of
 from .gptr import GlobalPointer
 
@@ -157,19 +158,54 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
     """
     if thread not in THREADS:
         raise ValueError(f"thread must be 'inline', 'new' or 'now'; got {thread!r}")
+    if type(gptr) is GlobalPointer:
+        try:
+            eng = current_engine()
+        except RuntimeError:
+            eng = None
+        if eng is None or (eng.computation != gptr.computation and gptr.computation is not None):
+            eng = current_engine_of(gptr.computation, "global pointer", gptr)  # raises why
+        sent = gptr._sent
+        head = sent[1].get((handler, thread)) if sent is not None and sent[0]() is eng else None
+        if head is None:
+            head = _first(eng, gptr, handler, thread)
+    else:
+        _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
+        eng = current_engine_of(gptr.computation, "global pointer", gptr)
+        head = _first(eng, gptr, handler, thread)
+    if args:
+        try:
+            data, bufs = _encode(args)
+        except marshal.PICKLE_ERRORS as e:
+            raise errors.CallError(f"cannot send remote service request "
+                                   f"{getattr(handler, '__qualname__', handler)}: {e}") from e
+        eng.post_frame(gptr.context, [head + data, *bufs] if bufs else [head + data])
+    else:
+        eng.post_frame(gptr.context, [head])
+
+
+_encode = marshal.dumps_args
+_SENT_MAX = 16  # (handler, thread) pairs kept per pointer; more start afresh
+
+
+def _first(eng: Any, gptr: GlobalPointer, handler: Callable[..., Any], thread: str) -> bytes:
+    """Check a request that this context has not sent to ``gptr`` with
+    ``handler`` before, and return (and keep) the start of its frames."""
     _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
     if not callable(handler):
         raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
                         f"got {type(handler).__name__}")
-    eng = current_engine_of(gptr.computation, "global pointer", gptr)
     mine = spoken(eng)
     if gptr.protocols and not set(mine) & set(gptr.protocol_names()):
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "
                          f"this context speaks {mine}")
-    header = (RSR_NOW, gptr.gid, handler, args) if thread == "now" else \
-        (RSR, gptr.gid, handler, args, thread)
     try:
-        eng.post(gptr.context, header)
+        head = rsr_frame(RSR_NOW if thread == "now" else RSR, gptr.gid, handler, thread)
     except marshal.PICKLE_ERRORS as e:
         raise errors.CallError(f"cannot send remote service request "
                                f"{getattr(handler, '__qualname__', handler)}: {e}") from e
+    sent = gptr._sent
+    if sent is None or sent[0]() is not eng or len(sent[1]) >= _SENT_MAX:
+        sent = gptr._sent = (weakref.ref(eng), {})
+    sent[1][(handler, thread)] = head
+    return head
