@@ -412,8 +412,8 @@ def test_macroflow_run_names_the_context_killed_by_a_signal(tmp_path):
     line, = [l for l in err.splitlines() if l.startswith("macroflow:")]
     # context 2 as a rule; on a loaded machine the watcher may see a rank MPI
     # ended after it first (the guide says so): a rank, its pid and how
-    assert re.match(r"macroflow: context [0-2] \(pid \d+ on \S+\) killed by signal "
-                    r"SIGKILL.*; MPI ended the job \(every rank\)$", line), err
+    assert re.match(r"macroflow: context [0-2] \(pid \d+ on \S+\) .*SIGKILL.*; "
+                    r"MPI ended the job \(every rank\)$", line), err
 
 
 @pytest.mark.timeout(120)
