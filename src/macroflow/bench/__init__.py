@@ -44,6 +44,43 @@ def json_problem(path: str) -> Optional[str]:
     return None
 
 
+def progress_printer(suite: str):
+    """The progress callback of a suite: one line on stderr per step.
+
+    Example:
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     progress_printer("micro")("round 1/3")
+        >>> err.getvalue()
+        '[bench micro] round 1/3\\n'
+    """
+    def progress(msg: str) -> None:
+        print(f"[bench {suite}] {msg}", file=sys.stderr, flush=True)
+    return progress
+
+
+def write_json(res: dict, path: Optional[str]) -> None:
+    """Write a suite's figures to ``path`` (if given) and say so.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "out.json")
+        >>> write_json({"a": 1}, path)
+        <BLANKLINE>
+        wrote ...out.json
+        >>> json.load(open(path))
+        {'a': 1}
+    """
+    if not path:
+        return
+    import json
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=float)
+        f.write("\n")
+    print(f"\nwrote {path}")
+
+
 def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = False,
          peers: Optional[str] = None) -> int:
     """Run a benchmark suite, print its tables, and return an exit code.

@@ -105,7 +105,7 @@ from macroflow.core.context import CALL, RELEASE, SYSTEM, Call, Slot, current_en
 from macroflow.core.future import CallSite, Future
 from macroflow.objects.hosting import PERSISTENT
 
-from . import baselines
+from . import baselines, progress_printer, write_json
 
 # --------------------------------------------------------------------------- parameters
 
@@ -1259,15 +1259,10 @@ def markdown(res: Dict[str, Any]) -> str:
 
 def main(json_path: Optional[str] = None, quick: bool = False) -> int:
     """Run the suite, print it, optionally write the JSON; returns an exit code."""
-    def progress(msg: str) -> None:
-        print(f"[bench micro] {msg}", file=sys.stderr, flush=True)
+    progress = progress_printer("micro")
     res = run(quick=quick, progress=progress)
     report(res)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1, default=float)
-            f.write("\n")
-        print(f"\nwrote {json_path}")
+    write_json(res, json_path)
     return 0
 
 

@@ -62,6 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import macroflow as mf
+from macroflow.bench import json_problem, progress_printer, write_json
 
 #: message sizes, in float64 elements: 8 B, 128 B, 1 KiB, 8 KiB, 64 KiB, 512 KiB, 1 MiB
 SIZES = (1, 16, 128, 1024, 8192, 65536, 131072)
@@ -953,21 +954,15 @@ def main(json_path: Optional[str] = None, quick: bool = False) -> int:
         2
     """
     if json_path is not None:
-        from macroflow.bench import json_problem
         problem = json_problem(json_path)
         if problem is not None:  # found now, not after minutes of measuring
             print(f"macroflow bench nexus: --json {json_path}: {problem}", file=sys.stderr)
             return 2
 
-    def progress(msg: str) -> None:
-        print(f"[bench nexus] {msg}", file=sys.stderr, flush=True)
+    progress = progress_printer("nexus")
     res = run(quick=quick, progress=progress)
     report(res)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
-        print(f"\nwrote {json_path}")
+    write_json(res, json_path)
     failed = [e for e in res["transports"].values() if e["status"] == "failed"]
     return 1 if failed or res["mpi4py"]["status"] == "failed" else 0
 

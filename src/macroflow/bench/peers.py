@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 import macroflow as mf
+from macroflow.bench import progress_printer, write_json
 from macroflow.bench.micro import _fmt as _fmt_number
 
 PEERS = ("ray", "dask", "mpi4py")
@@ -839,15 +840,10 @@ def main(json_path: Optional[str] = None, quick: bool = False,
         print(f"macroflow bench peers: {e}", file=sys.stderr)
         return 2
 
-    def progress(msg: str) -> None:
-        print(f"[bench peers] {msg}", file=sys.stderr, flush=True)
+    progress = progress_printer("peers")
     res = run(quick=quick, peers=chosen, progress=progress)
     report(res)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
-        print(f"\nwrote {json_path}")
+    write_json(res, json_path)
     return 1 if any(st["status"] == "failed" for st in res["systems"].values()) else 0
 
 

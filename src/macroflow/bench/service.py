@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import array
 import bisect
-import json
 import os
 import platform
 import random
@@ -63,6 +62,7 @@ import macroflow as mf
 from macroflow.core.threads import DEFAULT_SERVICE
 
 from .micro import render_table
+from . import progress_printer, write_json
 
 MECHANISMS = ("signal", "thread", "timer", "poll")
 KINDS = ("python", "numpy", "sleep")
@@ -444,15 +444,10 @@ def report(res: Dict[str, Any], out=None) -> None:
 
 def main(json_path: Optional[str] = None, quick: bool = False) -> int:
     """Run the suite, print it, optionally write the JSON; returns an exit code."""
-    def progress(msg: str) -> None:
-        print(f"[bench service] {msg}", file=sys.stderr, flush=True)
+    progress = progress_printer("service")
     res = run(quick=quick, progress=progress)
     report(res)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1, default=float)
-            f.write("\n")
-        print(f"\nwrote {json_path}")
+    write_json(res, json_path)
     return 0
 
 
