@@ -426,13 +426,12 @@ class ServiceSignal(Service):
         self.stopped = False
         self.signalling = False
         self.handling = False
-        self.signals = 0  # SIGIOs handled while user code ran
+        self.signals = 0  # signals (SIGIO, timer ticks) handled while user code ran
         self.pid = os.getpid()
         self.handler = self._on_signal  # one bound method: getsignal() returns this very object
         self.previous = _take_signal(signal.SIGIO, self.handler)
         # the CPU-time timer, where SIGVTALRM is free (else the watcher alone)
         self.armed = False
-        self.ticks = 0  # timer ticks while user code ran
         self.ticker: Any = None
         if _signal_free(signal.SIGVTALRM, engine):
             self.ticker = self._on_tick
@@ -475,27 +474,14 @@ class ServiceSignal(Service):
         self.armed = False
         if self.stopped:
             return
-        eng = self.engine
-        if not eng.user:
+        if not self.engine.user:
             if self.signalling:
                 self._off()
             return  # enter() arms the timer again
-        self.ticks += 1
-        self.handling = True
-        try:
-            if self.lock.acquire(timeout=self.HANDOVER):
-                try:
-                    if eng.user and not self.stopped:
-                        if not self.signalling:
-                            self._signals(True)
-                        self.serve()  # what came before signals were on
-                finally:
-                    self.lock.release()
-            # look again later: what a signal's handler could not serve
-            self.armed = True
-            signal.setitimer(signal.ITIMER_VIRTUAL, self.FALLBACK)
-        finally:
-            self.handling = False
+        self._serve_here(start=True)  # and what came before signals were on
+        # look again later: what a signal's handler could not serve
+        self.armed = True
+        signal.setitimer(signal.ITIMER_VIRTUAL, self.FALLBACK)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stopped or self.handling or os.getpid() != self.pid:
@@ -510,13 +496,20 @@ class ServiceSignal(Service):
             else:
                 self._off()
             return
+        self._serve_here(start=False)
+
+    def _serve_here(self, start: bool) -> None:
+        """Serve from a signal's handler, in the thread that runs user code;
+        ``start`` also turns arrival signals on."""
         self.signals += 1
         self.handling = True
         try:
             # waiting here hands the interpreter to the watcher, if it serves
             if self.lock.acquire(timeout=self.HANDOVER):
                 try:
-                    if eng.user:
+                    if self.engine.user and not self.stopped:
+                        if start and not self.signalling:
+                            self._signals(True)
                         self.serve()
                 finally:
                     self.lock.release()
