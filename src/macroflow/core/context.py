@@ -1110,15 +1110,13 @@ class Engine:
             slot = self.slots.get(fid)
             if slot is not None and slot.state == FINISHED:
                 continue  # it is here already
-            new = Slot()
-            new.state, new.ok, new.data, new.bufs = state, ok, data, bufs
+            new = self.slots[fid] = Slot()
             new.alias, new.released, new.served, new.expect = alias, released, served, expect
             new.subs = (slot.subs if slot is not None else []) + list(subs)
-            self.slots[fid] = new
-            if new.state == FINISHED and new.alias is None and new.subs:
-                waiting, new.subs = new.subs, []
-                for dest, label in waiting:
-                    self._send_value(dest, label, new)
+            if state == FINISHED and alias is None:
+                self._complete(fid, new, ok, data, bufs)  # answers who asked meanwhile
+            else:
+                new.state, new.ok, new.data, new.bufs = state, ok, data, bufs
         for name, data in models.items():
             if data is not None and name in self.models:
                 self.models[name].take_over(cid, data)
