@@ -349,7 +349,15 @@ class ObjectHost(Model):
                                       f"{what} cannot run")
 
 
-class ObjectCalls(CallKind):
+class _HostedKind(CallKind):
+    """A call kind of the object model: it serves through the engine's ObjectHost."""
+
+    def __init__(self, host: ObjectHost):
+        super().__init__(host.eng)
+        self.host = host
+
+
+class ObjectCalls(_HostedKind):
     """PERSISTENT and CREATE calls: queued at their object, run one at a time.
 
     Example:
@@ -359,10 +367,6 @@ class ObjectCalls(CallKind):
         ...     type(current_engine().call_kinds[PERSISTENT]).__name__
         'ObjectCalls'
     """
-
-    def __init__(self, host: ObjectHost):
-        super().__init__(host.eng)
-        self.host = host
 
     def refuse(self, msg: tuple) -> tuple:
         method = msg[4]
@@ -439,7 +443,7 @@ class ObjectCalls(CallKind):
             self.host._pump(obj)
 
 
-class RegularCalls(CallKind):
+class RegularCalls(_HostedKind):
     """REGULAR calls: any instance serves; placement may pass a call on.
 
     Example:
@@ -449,10 +453,6 @@ class RegularCalls(CallKind):
         ...     type(current_engine().call_kinds[REGULAR]).__name__
         'RegularCalls'
     """
-
-    def __init__(self, host: ObjectHost):
-        super().__init__(host.eng)
-        self.host = host
 
     moves = True
 
