@@ -5,11 +5,14 @@ Layers, bottom up (see docs/guide.md):
   core       contexts' progress engines, lightweight threads, futures,
              global pointers, remote service requests, marshalling, placement
   objects    Mentat's persistent and regular parallel objects and dataflow
+  spmd       Tulip's SPMD runs: registered memory, get/put, remote actions,
+             collectives that keep serving
   launch     run / init / shutdown, and the `macroflow` command
 Everything public is re-exported here; nothing else lives in this file.
 """
 
 from .core.errors import CallError as CallError
+from .core.errors import CollectiveError as CollectiveError
 from .core.errors import ContextLost as ContextLost
 from .core.errors import DeadlockError as DeadlockError
 from .core.errors import LimitError as LimitError
@@ -49,5 +52,26 @@ from .objects.persistent import info as info
 from .objects.persistent import persistent as persistent
 from .objects.persistent import regular as regular
 from .objects.persistent import rtf as rtf
+
+from .spmd.collectives import allgather as allgather
+from .spmd.collectives import allreduce as allreduce
+from .spmd.collectives import barrier as barrier
+from .spmd.collectives import barrier_async as barrier_async
+from .spmd.collectives import broadcast as broadcast
+from .spmd.collectives import reduce as reduce
+from .spmd.memory import shared_empty as shared_empty
+from .spmd.memory import shared_full as shared_full
+from .spmd.memory import shared_zeros as shared_zeros
+from .spmd.model import Handle as Handle
+from .spmd.onesided import MemoryPointer as MemoryPointer
+from .spmd.onesided import get as get
+from .spmd.onesided import put as put
+from .spmd.onesided import register as register
+from .spmd.onesided import unregister as unregister
+from .spmd.program import rank as rank
+from .spmd.program import register_handler as register_handler
+from .spmd.program import remote_action as remote_action
+from .spmd.program import size as size
+from .spmd.program import spmd as spmd
 
 __version__ = "0.1.0"

@@ -80,7 +80,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
     sys.argv = [args.script, *args.args]
     try:
-        result = mf.run(main, contexts=args.n, transport=args.transport, placement=args.placement)
+        if args.spmd:
+            if args.placement:
+                args.parser.error("--placement is for calls of parallel objects, not --spmd runs")
+            result = mf.spmd(main, n=args.n, transport=args.transport)
+        else:
+            result = mf.run(main, contexts=args.n, transport=args.transport,
+                            placement=args.placement)
     except KeyboardInterrupt:
         return 130  # mf.run has said what happened; the shell's code for SIGINT
     if result is not None:
@@ -100,6 +106,8 @@ def mpiexec_command(args: argparse.Namespace, mpiexec: str) -> List[str]:
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "macroflow", "run", "-n", str(n)]
     if args.placement:
         cmd += ["--placement", args.placement]
+    if getattr(args, "spmd", False):
+        cmd += ["--spmd"]
     return cmd + ["--transport", "mpi", "--main", args.main, args.script, *args.args]
 
 
@@ -360,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--placement", default=None, choices=POLICIES,
                    help="round-robin (default), random or best-most-recently")
     r.add_argument("--main", default="main", help="the function to run (default: main)")
+    r.add_argument("--spmd", action="store_true",
+                   help="run main in every context (mf.spmd) and print the list of results "
+                        "by rank, instead of main on context 0")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run, parser=r)

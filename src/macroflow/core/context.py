@@ -107,6 +107,8 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
+POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
+POLLER_PERIOD = 50e-6  # ... then at most this long at a time while it has pollers
 # VALUE headers: b"V" ok ctx seq  (label (fid, None)), b"W" ok ctx seq ctx seq (an arc)
 _VGET = struct.Struct("<BBqq")
 _VARC = struct.Struct("<BBqqqq")
@@ -228,6 +230,12 @@ class Engine:
         self.inbox: Deque[Tuple[int, List[Any], int]] = deque()
         self.ready: Deque[Any] = deque()
         self.timers: List[Tuple[float, int, Waiter]] = []
+        #: callables the engine calls at each step while they return False
+        #: (a model's requests that complete without a message, such as MPI's
+        #: non-blocking collectives; see add_poller); while there are any it
+        #: never sleeps longer than POLLER_PERIOD
+        self.pollers: List[Callable[[], bool]] = []
+        self.poller_spin_until = 0.0
         self.seq = itertools.count(1)
         self.slots: Dict[Any, Slot] = {}
         self.tokens: Dict[Any, Tuple[bool, Any]] = {}
@@ -607,8 +615,24 @@ class Engine:
         if due is not None:
             left = max(0.0, due - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
-        self.transport.poll(timeout)
+        pollers = self.pollers
+        if pollers:
+            # something completes without a message (an MPI request): look
+            # often, and at first without sleeping (as MPI's own waits do)
+            nap = 0.0 if time.monotonic() < self.poller_spin_until else POLLER_PERIOD
+            timeout = nap if timeout is None else min(timeout, nap)
+            self.transport.poll(timeout)
+            for fn in list(pollers):
+                if fn():
+                    pollers.remove(fn)
+        else:
+            self.transport.poll(timeout)
         self.process()
+
+    def add_poller(self, fn: Callable[[], bool]) -> None:
+        """Call ``fn()`` at every step until it returns True (see ``pollers``)."""
+        self.pollers.append(fn)
+        self.poller_spin_until = time.monotonic() + POLLER_SPIN
 
     def next_due(self) -> Optional[float]:
         """When (time.monotonic) the engine next has something to do unasked:
@@ -1250,6 +1274,19 @@ class Engine:
             return self._from_user(self.poll)
         return self.serve_arrived()
 
+    def yield_now(self) -> None:
+        """From a lightweight thread: let the engine serve what has arrived,
+        for one round, then go on (elsewhere, nothing happens)."""
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.yield_now)
+        w = getcurrent()
+        if isinstance(w, Worker) and w.engine is self:
+            # a timer due now, not the ready queue: the engine may be resuming
+            # ready threads, and would resume this one before the inbox; its
+            # timers come after both
+            self.add_timer(0.0, Waiter(self, w))
+            self.park()
+
     def serve_arrived(self) -> int:
         """Take what the transport has received; serve, in arrival order, the
         messages that need no user code, and leave the others in the inbox in
@@ -1680,6 +1717,10 @@ class CallKind:
 
     #: True if :meth:`arrived` may pass calls on (the engine asks only then)
     moves = False
+    #: True if ``mf.poll()`` from a call of this kind lets the engine run, for
+    #: one round, the calls that have arrived (Tulip's Poll); else it serves
+    #: only what needs no user code
+    yields_on_poll = False
 
     def __init__(self, eng: "Engine"):
         self.eng = eng

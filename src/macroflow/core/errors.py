@@ -174,3 +174,25 @@ class LimitError(MacroflowError, OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class CollectiveError(MacroflowError):
+    """A collective operation of an SPMD run cannot complete as called.
+
+    Raised in the contexts that wait in a collective (``mf.barrier``,
+    ``mf.allreduce``, ...) when another context of the run will never join it
+    (its function ended, or it failed), or joined a different collective at
+    that place; ``missing`` lists the contexts that did not arrive, where known.
+
+    Example:
+        >>> e = CollectiveError("mf.barrier(): context 1 ended its function", missing=[1])
+        >>> e.missing, isinstance(e, MacroflowError)
+        ([1], True)
+    """
+
+    def __init__(self, message: str, missing: "list | None" = None):
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+    def __reduce__(self):
+        return (CollectiveError, (str(self), self.missing))

@@ -699,9 +699,12 @@ def start_service(engine: Any, name: Optional[str] = None) -> Service:
 
 def poll() -> int:
     """Serve the requests that have arrived for this context and need no
-    user code (value requests, releases, ``thread="now"`` remote service
-    requests); calls and everything else stay queued for the engine. Returns
-    how many were served; when nothing is pending it is a quick look.
+    user code (value requests, releases, gets and puts, ``thread="now"``
+    remote service requests); calls and everything else stay queued for the
+    engine. Returns how many were served; when nothing is pending it is a
+    quick look. In an SPMD run's function (or a remote action) it is
+    Tulip's Poll: the remote actions and calls that have arrived run too,
+    before it returns.
 
     A context serves these by itself while a method computes (see the
     guide's section on service while a context computes); a compute loop
@@ -722,4 +725,10 @@ def poll() -> int:
         499500
     """
     from .context import current_engine
-    return current_engine().poll()
+    eng = current_engine()
+    served = eng.poll()
+    call = getattr(getcurrent(), "call", None)
+    if call is not None and eng.inbox and \
+            getattr(eng.call_kinds.get(call.kind), "yields_on_poll", False):
+        eng.yield_now()
+    return served

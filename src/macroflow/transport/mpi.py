@@ -468,6 +468,7 @@ class MpiTransport(Transport):
         self.credited_bytes: List[int] = []
         self.grows: List[Dict[str, Any]] = []  # plans of context 0 to add ranks, to carry out
         self.peer_comm: Any = None  # context 0, while it adds ranks: itself and them
+        self._natives: Optional["MpiCollectives"] = None
         self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of our sends
         self.pushing = 0  # sends in `unfinished` too large to leave without our progress
         self.sends = 0
@@ -551,6 +552,16 @@ class MpiTransport(Transport):
         from .local import _set_async
         _set_async(self.waker.fd, on)
         return True
+
+    def native_collectives(self, members: Sequence[int]) -> Optional["MpiCollectives"]:
+        """MPI's own non-blocking collectives among the contexts ``members``:
+        only while they are exactly the ranks of the communicator this
+        context started with (no context added or gone since); else None."""
+        if len(self.links) != 1 or self.gone or list(members) != self.members[0]:
+            return None
+        if self._natives is None:
+            self._natives = MpiCollectives(self.MPI, self.links[0])
+        return self._natives
 
     def peers(self) -> List[int]:
         return [p for p in range(self.size) if p != self.ctx and p not in self.gone]
@@ -1673,3 +1684,80 @@ def _alive(host: str, pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
+
+
+class MpiCollectives:
+    """MPI's non-blocking collectives (``Ibarrier``, ``Iallreduce``) on a
+    duplicate of a communicator, polled by the engine: never a blocking
+    collective, which could not serve requests while it waits (Tulip's point).
+    The duplicate is made with ``Idup`` at first use, so that no rank blocks
+    there either; every rank makes it at the same point (its first native
+    collective), as MPI requires.
+
+    Example:
+        >>> from macroflow.transport.mpi import available, mpi
+        >>> if available() is None:
+        ...     natives = MpiCollectives(mpi(), mpi().COMM_SELF)
+        ...     op = natives.start("barrier", None, None)
+        ...     while not op.test():
+        ...         pass
+        ...     print(op.result())
+        ... else:
+        ...     print(None)
+        None
+    """
+
+    #: the reductions MPI does natively, by macroflow's op name
+    OPS = ("sum", "prod", "min", "max")
+
+    def __init__(self, MPI: Any, comm: Any):
+        self.MPI = MPI
+        self.comm, self.dup = comm.Idup()
+
+    def can(self, kind: str, value: Any, op: Any) -> bool:
+        """Whether :meth:`start` can do this collective natively."""
+        if kind == "barrier":
+            return True
+        if kind == "allreduce" and op in self.OPS:
+            import numpy as np
+            return (type(value) is np.ndarray and value.dtype.kind in "iuf"
+                    and value.dtype.isnative and value.flags.c_contiguous)
+        return False
+
+    def start(self, kind: str, value: Any, op: Any) -> "NativeCollective":
+        return NativeCollective(self, kind, value, op)
+
+
+class NativeCollective:
+    """One collective of :class:`MpiCollectives` in progress: ``test()``
+    makes progress and says whether it is done; ``result()`` then."""
+
+    __slots__ = ("owner", "kind", "value", "op", "req", "out")
+
+    def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any):
+        self.owner = owner
+        self.kind = kind
+        self.value = value
+        self.op = op
+        self.req: Any = None
+        self.out: Any = None
+
+    def test(self) -> bool:
+        owner = self.owner
+        if self.req is None:
+            if owner.dup is not None:
+                if not owner.dup.Test():
+                    return False
+                owner.dup = None
+            MPI = owner.MPI
+            if self.kind == "barrier":
+                self.req = owner.comm.Ibarrier()
+            else:
+                import numpy as np
+                self.out = np.empty_like(self.value)
+                ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+                self.req = owner.comm.Iallreduce(self.value, self.out, op=ops[self.op])
+        return bool(self.req.Test())
+
+    def result(self) -> Any:
+        return self.out

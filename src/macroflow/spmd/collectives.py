@@ -1,0 +1,456 @@
+"""Collectives of an SPMD run that keep serving while they wait (Tulip's barrier).
+
+A vendor's blocking barrier cannot serve a remote request while it waits;
+these can. Every collective is a small state machine driven by messages up
+and down a binomial tree (see :mod:`macroflow.spmd.model`): the calling
+lightweight thread only waits for its future, so its context's engine goes
+on serving gets, puts, remote actions, values and calls meanwhile, and
+``barrier_async`` does not wait at all.
+
+Every context of a run must call the same collectives in the same order, as
+in MPI. What goes wrong is reported, not left to hang: a context whose
+function ends or fails before it joins a collective the others wait in ends
+that collective with :class:`macroflow.CollectiveError` at once; two contexts
+that call different collectives at the same place get the error naming
+both; a collective that is not complete after its timeout asks every context
+how far it got and names those that did not arrive.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+
+from ..core import errors
+from ..core.context import current_engine
+from ..core.future import Future
+from .model import COLL, STATUS, Run, SpmdModel, engine_side, local_future, model_of
+
+STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
+
+
+def _min(a: Any, b: Any) -> Any:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.minimum(a, b)
+    return a if a <= b else b
+
+
+def _max(a: Any, b: Any) -> Any:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return a if a >= b else b
+
+
+#: the named reduction operations (numpy arrays combine element by element)
+OPS = {"sum": operator.add, "prod": operator.mul, "min": _min, "max": _max}
+
+
+def _concat(a: List[Any], b: List[Any]) -> List[Any]:
+    return a + b
+
+
+def _nothing(a: Any, b: Any) -> None:
+    return None
+
+
+def children(rel: int, n: int) -> List[int]:
+    """The children of relative rank ``rel`` in the binomial tree of ``n``
+    ranks rooted at 0: ``rel + 2**k`` for every ``2**k`` below ``rel``'s
+    lowest set bit. Each child's subtree is a contiguous range of ranks.
+
+    Example:
+        >>> children(0, 8), children(4, 8), children(6, 8), children(1, 8), children(0, 5)
+        ([1, 2, 4], [5, 6], [7], [], [1, 2, 4])
+    """
+    out = []
+    bit = 1
+    while bit < n and not rel & bit:
+        if rel + bit < n:
+            out.append(rel + bit)
+        bit <<= 1
+    return out
+
+
+def parent(rel: int) -> int:
+    """The parent of relative rank ``rel`` > 0: ``rel`` without its lowest set bit.
+
+    Example:
+        >>> [parent(r) for r in range(1, 8)]
+        [0, 0, 2, 0, 4, 4, 6]
+    """
+    return rel & (rel - 1)
+
+
+_UP = ("barrier", "reduce", "allreduce", "allgather")
+
+
+class Collective:
+    """One collective of a run, in one context."""
+
+    __slots__ = ("model", "run", "seq", "kind", "name", "root", "op", "opname", "value", "ups",
+                 "sent_up", "future")
+
+    def __init__(self, model: SpmdModel, run: Run, kind: str, name: str, value: Any,
+                 op: Callable[[Any, Any], Any], root: int, opname: Optional[str] = None):
+        self.model = model
+        self.run = run
+        self.seq = run.entered
+        self.kind = kind
+        self.name = name
+        self.root = root
+        self.op = op
+        self.opname = opname
+        self.value = value
+        self.ups: dict = {}
+        self.sent_up = False
+        self.future = local_future(model.eng)
+
+    # -- the tree
+    def up_children(self) -> List[int]:
+        return children(self.run.rank, self.run.size)
+
+    def down_children(self) -> List[int]:
+        n, r = self.run.size, self.root if self.kind == "broadcast" else 0
+        rel = (self.run.rank - r) % n
+        return [(c + r) % n for c in children(rel, n)]
+
+    def start(self) -> None:
+        run = self.run
+        if run.failed is not None:
+            self.fail(run.failed)
+            return
+        for rank, (entered, failure) in run.ended.items():
+            if failure is None and entered <= self.seq:
+                self.fail(_never_joins(self, rank, entered))
+                return
+        natives = self.model.natives(run)
+        if natives is not None and natives.can(self.kind, self.value, self.opname):
+            self.start_native(natives)
+            return
+        for src, msg in run.early.pop(self.seq, ()):
+            self.message(src, msg)
+            if self.future._state:
+                return
+        if self.kind in _UP:
+            self.try_up()
+        elif run.rank == self.root:  # broadcast
+            self.down(self.value)
+
+    def start_native(self, natives: Any) -> None:
+        """Let the transport do it (MPI's non-blocking collectives), polled by the engine."""
+        op = natives.start(self.kind, self.value, self.opname)
+
+        def poll() -> bool:
+            if self.future._state:  # failed meanwhile (a context ended without joining)
+                return True
+            if not op.test():
+                return False
+            self.complete(op.result())
+            return True
+
+        if not poll():
+            self.model.eng.add_poller(poll)
+
+    def message(self, src: int, msg: tuple) -> None:
+        _, _, seq, kind, phase, payload = msg
+        if kind != self.kind:
+            self.fail(errors.CollectiveError(
+                f"{self.name}: context {src} called mf.{kind}() as collective #{seq + 1} of "
+                f"the run, where context {self.run.rank} called {self.name}: every context "
+                f"must call the same collectives in the same order"))
+            return
+        if phase == "u":
+            self.ups[src] = payload
+            self.try_up()
+        elif phase == "d":
+            self.down(payload)
+        else:  # "r": a reduction's result, to its root
+            self.complete(payload)
+
+    def try_up(self) -> None:
+        if self.sent_up:
+            return
+        kids = self.up_children()
+        ups = self.ups
+        if len(ups) < len(kids):
+            return
+        self.sent_up = True
+        acc = [self.value] if self.kind == "allgather" else self.value
+        try:
+            for c in kids:
+                acc = self.op(acc, ups[c])
+        except Exception as e:
+            self.fail(errors.CollectiveError(
+                f"{self.name}: the operation {getattr(self.op, '__qualname__', self.op)!r} "
+                f"failed on context {self.run.rank}: {type(e).__name__}: {e}"))
+            return
+        self.ups = {}
+        rank = self.run.rank
+        if rank:
+            self.send(parent(rank), "u", acc)
+            if self.kind == "reduce" and rank != self.root:
+                self.complete(None)
+            return
+        if self.kind == "reduce":
+            if self.root == 0:
+                self.complete(acc)
+            else:
+                self.send(self.root, "r", acc)
+                self.complete(None)
+        else:
+            self.down(None if self.kind == "barrier" else acc)
+
+    def down(self, value: Any) -> None:
+        for c in self.down_children():
+            self.send(c, "d", value)
+        self.complete(value)
+
+    def send(self, dest: int, phase: str, payload: Any) -> None:
+        try:
+            self.model.send(dest, (COLL, self.run.ident, self.seq, self.kind, phase, payload))
+        except ConnectionError:
+            pass  # the peer's loss is reported to every collective by the model
+
+    def complete(self, value: Any) -> None:
+        self.run.colls.pop(self.seq, None)
+        self.future._set(True, value)
+
+    def fail(self, exc: BaseException) -> None:
+        self.run.colls.pop(self.seq, None)
+        self.future._set(False, exc)
+
+
+def _never_joins(c: Collective, rank: int, entered: int) -> errors.CollectiveError:
+    return errors.CollectiveError(
+        f"{c.name}: context {rank} ended its SPMD function after {entered} collective(s), "
+        f"so it never joins this one (collective #{c.seq + 1} of the run): every context "
+        f"must call the same collectives", missing=[rank])
+
+
+def on_message(model: SpmdModel, run: Run, src: int, msg: tuple) -> None:
+    """A COLL message for ``run``: to its collective, or kept until this context enters it."""
+    c = run.colls.get(msg[2])
+    if c is not None:
+        c.message(src, msg)
+    elif msg[2] >= run.entered:
+        run.early.setdefault(msg[2], []).append((src, msg))
+
+
+def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str]) -> None:
+    """Context ``rank`` ended the run's function after ``entered`` collectives."""
+    run.ended[rank] = (entered, failure)
+    if failure is not None and run.failed is None:
+        run.failed = errors.CollectiveError(
+            f"context {rank} failed in its SPMD function ({failure}), so the run's "
+            f"collectives cannot complete", missing=[rank])
+        for c in list(run.colls.values()):
+            c.fail(run.failed)
+        return
+    for c in list(run.colls.values()):
+        if c.seq >= entered:
+            c.fail(_never_joins(c, rank, entered))
+
+
+def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root: int,
+           opname: Optional[str] = None) -> Collective:
+    eng = current_engine()
+    model = model_of(eng)
+    run = model.current_run(name)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < run.size:
+        raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; got {root!r}")
+    return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
+
+
+def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any,
+           root: int, opname: Optional[str]) -> Collective:
+    c = Collective(model, run, kind, name, value, op, root, opname)
+    run.entered += 1
+    run.colls[c.seq] = c
+    model.counts["spmd_collectives"] += 1
+    c.start()
+    return c
+
+
+def _wait(c: Collective, timeout: Optional[float]) -> Any:
+    if timeout is None:
+        timeout = c.run.timeout
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{c.name}: timeout must be a number of seconds > 0, or None; "
+                         f"got {timeout!r}")
+    try:
+        return c.future.result(timeout)
+    except errors.TimeoutError:
+        if c.future.done():
+            return c.future.result()
+    raise _timed_out(c, timeout)
+
+
+def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
+    """Ask every other context how far it got; name those that did not arrive."""
+    eng = c.model.eng
+    run = c.run
+    wait = local_future(eng)
+
+    def ask() -> None:
+        run.status = {}
+        run.status_wait = wait
+        for r in range(run.size):
+            if r != run.rank and r not in eng.lost:
+                c.model.send(r, (STATUS, run.ident, run.rank))
+        if run.size == 1:
+            wait._set(True, None)
+
+    engine_side(eng, ask)
+    try:
+        wait.result(STATUS_WAIT)
+    except errors.TimeoutError:
+        pass
+    missing, lines = [], []
+    for r in range(run.size):
+        if r == run.rank:
+            continue
+        got = run.status.get(r)
+        if got is None:
+            missing.append(r)
+            lines.append(f"context {r}: did not answer within {STATUS_WAIT:g} s")
+        elif got[0] <= c.seq:
+            missing.append(r)
+            lines.append(f"context {r}: has entered {got[0]} collective(s), {got[1]}")
+    err = errors.CollectiveError(
+        f"{c.name} (collective #{c.seq + 1} of the run) not complete after {timeout:g} s; "
+        + (f"contexts that did not arrive: {missing}\n  " + "\n  ".join(lines) if missing
+           else "every context has arrived; the tree's messages are late"),
+        missing=missing)
+    engine_side(eng, _give_up, c, err)
+    return err
+
+
+def _give_up(c: Collective, err: BaseException) -> None:
+    c.fail(err)
+    if c.run.failed is None:  # later collectives would be out of step
+        c.run.failed = errors.CollectiveError(
+            f"an earlier collective of the run (#{c.seq + 1}, {c.name}) timed out on context "
+            f"{c.run.rank}; the run's collectives are out of step", missing=err.missing)
+
+
+def _op(op: Any, name: str) -> Callable[[Any, Any], Any]:
+    if isinstance(op, str):
+        fn = OPS.get(op)
+        if fn is None:
+            raise ValueError(f"{name}: op must be one of {sorted(OPS)} or a binary callable; "
+                             f"got {op!r}")
+        return fn
+    if not callable(op):
+        raise TypeError(f"{name}: op must be one of {sorted(OPS)} or a binary callable; "
+                        f"got {type(op).__name__}")
+    return op
+
+
+# ---------------------------------------------------------------------- the API
+def barrier(timeout: Optional[float] = None) -> None:
+    """Wait until every context of the run has called it; serve requests meanwhile.
+
+    Args:
+        timeout: seconds before giving up (default: the run's, see
+            :func:`macroflow.spmd`); then the error names the contexts that
+            did not arrive.
+
+    Raises:
+        macroflow.CollectiveError: another context ended or failed without
+            joining, joined a different collective, or the timeout passed.
+        macroflow.ContextLost: a context of the run ended.
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     mf.barrier()
+        ...     return mf.rank()
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [0, 1]
+    """
+    _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
+
+
+def barrier_async() -> Future:
+    """Enter a barrier and return at once: a Future that completes when every
+    context of the run has entered it. The context computes meanwhile.
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     f = mf.barrier_async()
+        ...     work = sum(range(1000))      # overlaps the barrier
+        ...     f.result()
+        ...     return work
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [499500, 499500]
+    """
+    return _enter("barrier", "mf.barrier_async()", None, _nothing, 0).future
+
+
+def broadcast(value: Any = None, root: int = 0, timeout: Optional[float] = None) -> Any:
+    """Return ``root``'s ``value`` in every context (the others' are ignored).
+
+    Values are copied (pickled; numpy arrays travel as raw buffers).
+    Under MPI, with every context of the computation in the run, an
+    allreduce of numpy arrays of numbers with a named op, and every barrier,
+    are MPI's own non-blocking ``Iallreduce`` / ``Ibarrier``: every context
+    must then pass arrays of the same dtype and shape, as MPI requires.
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     return mf.broadcast({"step": mf.rank()}, root=1)
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [{'step': 1}, {'step': 1}]
+    """
+    c = _enter("broadcast", "mf.broadcast()", value, _nothing, root)
+    return _wait(c, timeout)
+
+
+def reduce(value: Any, op: Any = "sum", root: int = 0, timeout: Optional[float] = None) -> Any:
+    """Combine every context's ``value`` with ``op``, in rank order; ``root``
+    gets the result, the others None.
+
+    Args:
+        op: "sum", "prod", "min", "max" (numpy arrays element by element) or
+            any associative binary callable (it need not commute).
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main():
+        ...     return mf.reduce(mf.rank() + 1, op="prod", root=1)
+        >>> mf.spmd(main, n=3, transport="inproc")
+        [None, 6, None]
+    """
+    name = "mf.reduce()"
+    return _wait(_enter("reduce", name, value, _op(op, name), root), timeout)
+
+
+def allreduce(value: Any, op: Any = "sum", timeout: Optional[float] = None) -> Any:
+    """Combine every context's ``value`` with ``op``, in rank order; every
+    context gets the result (see :func:`reduce` for ``op``).
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     return mf.allreduce(np.full(2, mf.rank()), op="max")
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [array([1, 1]), array([1, 1])]
+    """
+    name = "mf.allreduce()"
+    return _wait(_enter("allreduce", name, value, _op(op, name), 0,
+                        op if isinstance(op, str) else None), timeout)
+
+
+def allgather(value: Any, timeout: Optional[float] = None) -> List[Any]:
+    """Every context's ``value``, as a list by rank, in every context.
+
+    Example:
+        >>> import macroflow as mf
+        >>> mf.spmd(lambda: mf.allgather(mf.rank() * 10), n=3, transport="inproc")
+        [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
+    """
+    return _wait(_enter("allgather", "mf.allgather()", value, _concat, 0), timeout)

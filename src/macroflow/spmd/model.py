@@ -1,0 +1,502 @@
+"""The SPMD model's part of each context (Tulip): runs, memory, collectives.
+
+Every context of an SPMD run executes the same function (``mf.spmd``). The
+model plugs into the core like the object model does: a call kind, ``spmd``,
+that runs a run's function or a remote action in a lightweight thread, and
+its own messages:
+
+============  ===============================================================
+GET           (op, request, ident, byte offset, nbytes): read registered memory
+              and answer with MEMREPLY; served even while a method computes
+PUT           (op, request, ident, byte offset, data): write registered memory,
+              answer with MEMREPLY; served even while a method computes
+MEMREPLY      (op, request, ok, data or error): completes a get or put handle
+COLL          (op, run, seq, kind, phase, payload): one step of collective
+              number ``seq`` of a run (phase "u" up the tree, "d" down it,
+              "r" a reduction's result to its root)
+ENDED         (op, run, rank, entered, failure): a context's function of the
+              run ended after entering ``entered`` collectives
+STATUS        (op, run, asker): how far are you? (a timed-out collective
+              asks, to name who did not arrive); served while computing
+STATUS_REPLY  (op, run, rank, entered, in what collective)
+REVOKED       (op, ident): the sender unregistered the memory ``ident``; the
+              receiver stops copying it directly (served while computing)
+============  ===============================================================
+
+Collectives go up and down a binomial tree rooted at context 0 (the
+subtree of each node is a contiguous range of ranks, so a reduction
+combines values in rank order and an operation need only be associative);
+a broadcast goes down a tree rooted at its root. They are driven by
+messages, not by a waiting thread: ``barrier_async`` returns at once and the
+tree goes on while the context computes or waits for something else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..core import errors, marshal
+from ..core.context import (Call, CallKind, Engine, Model, current_engine, register,
+                            register_model)
+from ..core.future import FINISHED, Future
+from ..core.threads import getcurrent
+
+KIND = "spmd"
+GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED = range(20, 28)
+_UNKNOWN = object()
+_RUNS_KEPT = 8  # runs whose messages are still routed after their function ended here
+_EARLY_RUNS_MAX = 64  # runs not started here whose early messages are kept
+
+#: name -> callable, for remote actions named by a string (see register_handler)
+HANDLERS: Dict[str, Callable[..., Any]] = {}
+
+
+def engine_side(eng: Engine, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` as engine code: from user code (a run's function),
+    with the context's service mechanism kept out while it runs."""
+    if eng.user and eng.serving != threading.get_ident():
+        return eng._from_user(fn, *args)
+    return fn(*args)
+
+
+def local_future(eng: Engine) -> Future:
+    """A future this context sets itself (a handle's, a collective's)."""
+    f = Future(eng, eng.new_fid(), eng.id)
+    f._asked = True  # its value is set here: nothing to ask for
+    f._escaped = True  # and no slot at a home to release
+    return f
+
+
+class Handle:
+    """A non-blocking operation in progress (Tulip's service handle).
+
+    ``test()`` makes progress and says whether it is done (Tulip's Probe);
+    ``wait(timeout=None)`` waits for it and returns its value (a get's
+    array, a remote action's result, None for a put) or raises its error
+    (Tulip's Wait). While it waits, the context serves gets, puts, remote
+    actions, values and calls.
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     gp = mf.register(np.arange(4.0))
+        ...     h = mf.get(gp)
+        ...     return h.test(), h.wait()
+        >>> mf.spmd(main, n=1, transport="inproc")
+        [(True, array([0., 1., 2., 3.]))]
+    """
+
+    __slots__ = ("_eng", "_f", "_what")
+
+    def __init__(self, eng: Engine, f: Future, what: str):
+        self._eng = eng
+        self._f = f
+        self._what = what
+
+    def test(self) -> bool:
+        """Serve what has arrived, then say whether the operation is done.
+
+        Example:
+            >>> import macroflow as mf, numpy as np
+            >>> def main():
+            ...     ptrs = mf.allgather(mf.register(np.ones(2)))
+            ...     h = mf.get(ptrs[1 - mf.rank()])
+            ...     while not h.test():
+            ...         pass                  # compute meanwhile
+            ...     mf.barrier()
+            ...     return h.wait()
+            >>> mf.spmd(main, n=2, transport="inproc")
+            [array([1., 1.]), array([1., 1.])]
+        """
+        if self._f._state == FINISHED:
+            return True
+        progress(self._eng)
+        return self._f._state == FINISHED
+
+    def done(self) -> bool:
+        """Whether the operation is done, without making progress.
+
+        Example:
+            >>> import macroflow as mf, numpy as np
+            >>> def main():
+            ...     gp = mf.register(np.zeros(3))
+            ...     return mf.put(gp, [1.0, 2.0, 3.0]).done()   # its own memory: at once
+            >>> mf.spmd(main, n=1, transport="inproc")
+            [True]
+        """
+        return self._f._state == FINISHED
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Wait until done; return the value or raise the error.
+
+        Raises:
+            macroflow.TimeoutError: not done after ``timeout`` seconds (the
+                operation goes on).
+            macroflow.ContextLost: the context it needed ended.
+
+        Example:
+            >>> import macroflow as mf
+            >>> def main():
+            ...     return mf.remote_action(1 - mf.rank(), pow, 2, 10).wait(timeout=30)
+            >>> mf.spmd(main, n=2, transport="inproc")
+            [1024, 1024]
+        """
+        return self._f.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self._f._state == FINISHED else "pending"
+        return f"<Handle {self._what} {state}>"
+
+
+def progress(eng: Engine) -> None:
+    """Serve what has arrived for this context, as :func:`macroflow.poll` does."""
+    eng.poll()
+    call = getattr(getcurrent(), "call", None)
+    if call is not None and eng.inbox and \
+            getattr(eng.call_kinds.get(call.kind), "yields_on_poll", False):
+        eng.yield_now()
+
+
+class Run:
+    """One SPMD run as one context sees it."""
+
+    __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
+                 "failed", "status", "status_wait", "call_fid", "natives")
+
+    def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
+        self.ident = ident
+        self.size = size
+        self.rank = rank
+        self.timeout = timeout  # collectives' default
+        self.entered = 0  # collectives entered here
+        self.colls: Dict[int, Any] = {}  # seq -> Collective, entered and not complete
+        self.early: Dict[int, List[Tuple[int, tuple]]] = {}  # seq -> messages before entry
+        self.ended: Dict[int, Tuple[int, Optional[str]]] = {}  # rank -> (entered, failure)
+        self.failed: Optional[BaseException] = None  # ends every later collective
+        self.status: Dict[int, Tuple[int, str]] = {}  # answers to STATUS
+        self.status_wait: Optional[Future] = None
+        self.call_fid: Any = None
+        self.natives: Any = _UNKNOWN  # the transport's own collectives for the run, or None
+
+
+class SpmdCalls(CallKind):
+    """Runs a run's function ("main") or a remote action ("action") in a
+    lightweight thread: either may wait (a collective, a handle, a future)."""
+
+    yields_on_poll = True
+
+    def __init__(self, eng: Engine, model: "SpmdModel"):
+        super().__init__(eng)
+        self.model = model
+
+    def accept(self, call: Call) -> None:
+        if not call.missing:
+            self.arguments_ready(call)
+
+    def arguments_ready(self, call: Call) -> None:
+        self.eng.spawn(self._run, call)
+
+    def _run(self, call: Call) -> None:
+        getcurrent().call = call
+        if call.method == "main":
+            self.eng._invoke(self.model.run_main, call)
+        elif call.method == "action":
+            self.eng._invoke(_run_action, call)
+        else:
+            self.eng._invoke(None, call)
+
+    def label(self, call: Call) -> str:
+        if call.method == "action" and call.args:
+            return f"remote action {_name(call.args[0])}"
+        if call.method == "main" and len(call.args) > 3:
+            return f"SPMD function {_name(call.args[3])}"
+        return f"spmd {call.method}"
+
+
+def _name(fn: Any) -> str:
+    return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+
+
+def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:
+    if isinstance(handler, str):
+        fn = HANDLERS.get(handler)
+        if fn is None:
+            raise errors.CallError(f"no remote action handler named {handler!r} on context "
+                                   f"{current_engine().id} (registered: {sorted(HANDLERS)}); "
+                                   f"register it with mf.register_handler({handler!r}, fn) in "
+                                   f"every context (at import)")
+        handler = fn
+    return handler(*args, **kwargs)
+
+
+class SpmdModel(Model):
+    """The SPMD model's state in one context: registered memory, requests in
+    flight, and the runs it takes part in.
+
+    Example:
+        >>> import macroflow as mf
+        >>> with mf.init(contexts=1, transport="inproc"):
+        ...     m = current_engine().models["spmd"]
+        ...     sorted(m.kinds), m.pointers, m.regions
+        (['spmd'], ('memory',), {})
+    """
+
+    name = "spmd"
+    pointers = ("memory",)
+
+    def __init__(self, eng: Engine):
+        super().__init__(eng)
+        self.kinds = {KIND: SpmdCalls(eng, self)}
+        self.regions: Dict[Any, Any] = {}  # ident -> (array, its bytes, writable)
+        self.revoked: set = set()  # idents of memory other contexts unregistered
+        self.requests: Dict[int, Tuple[int, Future, Any, str]] = {}  # req -> (peer, f, out, what)
+        self.req_seq = itertools.count()
+        self.runs: "OrderedDict[Any, Run]" = OrderedDict()
+        self.early: "OrderedDict[Any, List[Tuple[int, tuple]]]" = OrderedDict()
+        self.by_call: Dict[Any, Run] = {}  # the fid of a run's function here -> its run
+        self.run_seq = itertools.count()
+        self.counts = {"spmd_gets_direct": 0, "spmd_gets_served": 0, "spmd_puts_direct": 0,
+                       "spmd_puts_served": 0, "spmd_collectives": 0}
+
+    # ------------------------------------------------------------------ the engine's hooks
+    def resolve(self, kind: str, ident: Any) -> Any:
+        from ..core.context import MISSING
+        entry = self.regions.get(ident)
+        return MISSING if entry is None else entry[0]
+
+    def lost(self, peer: int) -> None:
+        exc = errors.ContextLost(peer, self.eng.lost.get(peer, "lost"))
+        for req, (p, f, _, _) in list(self.requests.items()):
+            if p == peer:
+                del self.requests[req]
+                f._set(False, exc)
+        for run in self.runs.values():
+            if peer < run.size and run.failed is None:
+                run.failed = exc
+                for c in list(run.colls.values()):
+                    c.fail(exc)
+
+    def snapshot(self, d: Dict[str, Any]) -> None:
+        d.update(self.counts)
+
+    # ------------------------------------------------------------------ runs
+    def run_main(self, run_id: Any, size: int, timeout: Optional[float], fn: Callable[..., Any],
+                 args: tuple) -> Any:
+        """A run's function, in this context (user code: the call kind runs it)."""
+        eng = self.eng
+        call = getcurrent().call
+        run = engine_side(eng, self._start, run_id, size, timeout, call.fid)
+        failure = None
+        try:
+            return fn(*args)
+        except BaseException as e:
+            failure = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            engine_side(eng, self._end, run, failure)
+
+    def _start(self, run_id: Any, size: int, timeout: Optional[float], fid: Any) -> Run:
+        run = Run(run_id, size, self.eng.id, timeout)
+        run.call_fid = fid
+        self.runs[run_id] = run
+        while len(self.runs) > _RUNS_KEPT:
+            old_id, old = self.runs.popitem(last=False)
+            self.by_call.pop(old.call_fid, None)
+        self.by_call[fid] = run
+        for src, msg in self.early.pop(run_id, ()):
+            self.dispatch(src, msg)
+        return run
+
+    def _end(self, run: Run, failure: Optional[str]) -> None:
+        self.by_call.pop(run.call_fid, None)
+        for r in range(run.size):
+            if r != self.eng.id and r not in self.eng.lost:
+                self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure))
+
+    def natives(self, run: Run) -> Any:
+        """The transport's own collectives for ``run`` (MPI's), or None: the
+        same answer in every context of the run, which all take the same path.
+        MACROFLOW_NATIVE_COLLECTIVES=0 turns them off (to compare)."""
+        if run.natives is _UNKNOWN:
+            fn = getattr(self.eng.transport, "native_collectives", None)
+            off = os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0"
+            run.natives = None if fn is None or off else fn(list(range(run.size)))
+        return run.natives
+
+    def current_run(self, who: str) -> Run:
+        """The run whose function is running in this lightweight thread."""
+        call = getattr(getcurrent(), "call", None)
+        run = self.by_call.get(call.fid) if call is not None else None
+        if run is None:
+            raise RuntimeError(f"{who} is for the function of an SPMD run (mf.spmd(fn)): "
+                               f"every context of the run calls it; call it from fn")
+        return run
+
+    def any_run(self) -> Optional[Run]:
+        call = getattr(getcurrent(), "call", None)
+        run = self.by_call.get(call.fid) if call is not None else None
+        if run is None and self.by_call:
+            run = next(reversed(self.by_call.values()))
+        return run
+
+    # ------------------------------------------------------------------ messages
+    def send(self, dest: int, msg: tuple) -> None:
+        data, bufs = marshal.dumps(msg)
+        self.eng.send_frame(dest, [data, *bufs] if bufs else [data])
+
+    def dispatch(self, src: int, msg: tuple) -> None:
+        """A COLL or ENDED message of a run: to the run, or kept until it starts here."""
+        run = self.runs.get(msg[1])
+        if run is None:
+            early = self.early.setdefault(msg[1], [])
+            early.append((src, msg))
+            while len(self.early) > _EARLY_RUNS_MAX:
+                self.early.popitem(last=False)
+            return
+        if msg[0] == ENDED:
+            from .collectives import on_ended
+            on_ended(self, run, msg[2], msg[3], msg[4])
+        else:
+            from .collectives import on_message
+            on_message(self, run, src, msg)
+
+    def request(self, dest: int, f: Future, out: Any, what: str, op: int, *fields: Any) -> None:
+        """Send a GET or PUT to the owner; ``f`` completes with its MEMREPLY."""
+        if dest in self.eng.lost:
+            f._set(False, errors.ContextLost(dest, self.eng.lost[dest]))
+            return
+        req = next(self.req_seq)
+        self.requests[req] = (dest, f, out, what)
+        self.send(dest, (op, req) + fields)
+
+
+def _serve_get(eng: Engine, src: int, msg: tuple) -> None:
+    _, req, ident, off, n = msg
+    model = eng.models[SpmdModel.name]
+    entry = model.regions.get(ident)
+    if entry is None:
+        model.send(src, (MEMREPLY, req, False, _gone(eng, ident)))
+        return
+    data = entry[1]
+    if off < 0 or off + n > len(data):
+        model.send(src, (MEMREPLY, req, False, ValueError(
+            f"bytes {off}..{off + n} are outside the registered {len(data)} bytes")))
+        return
+    model.counts["spmd_gets_served"] += 1
+    model.send(src, (MEMREPLY, req, True, pickle.PickleBuffer(data[off:off + n])))
+
+
+def _serve_put(eng: Engine, src: int, msg: tuple) -> None:
+    _, req, ident, off, payload = msg
+    model = eng.models[SpmdModel.name]
+    entry = model.regions.get(ident)
+    if entry is None:
+        model.send(src, (MEMREPLY, req, False, _gone(eng, ident)))
+        return
+    data = entry[1]
+    src_bytes = memoryview(payload).cast("B")
+    n = len(src_bytes)
+    if off < 0 or off + n > len(data):
+        model.send(src, (MEMREPLY, req, False, ValueError(
+            f"bytes {off}..{off + n} are outside the registered {len(data)} bytes")))
+        return
+    if not entry[2]:
+        model.send(src, (MEMREPLY, req, False, ValueError(
+            "the registered buffer is read-only: mf.put() cannot write it")))
+        return
+    data[off:off + n] = src_bytes
+    model.counts["spmd_puts_served"] += 1
+    model.send(src, (MEMREPLY, req, True, None))
+
+
+def _gone(eng: Engine, ident: Any) -> BaseException:
+    return ValueError(f"no memory registered under {ident} on context {eng.id}: it was "
+                      f"unregistered (mf.unregister), or the pointer is not from this run")
+
+
+def _serve_memreply(eng: Engine, src: int, msg: tuple) -> None:
+    _, req, ok, payload = msg
+    model = eng.models[SpmdModel.name]
+    entry = model.requests.pop(req, None)
+    if entry is None:
+        return  # its context was reported lost meanwhile: the handle has failed already
+    _, f, out, what = entry
+    if not ok:
+        f._set(False, payload)
+        return
+    if out is None:  # a put
+        f._set(True, None)
+        return
+    array, view = out
+    view[:] = memoryview(payload).cast("B")
+    f._set(True, array)
+
+
+def _serve_run_message(eng: Engine, src: int, msg: tuple) -> None:
+    eng.models[SpmdModel.name].dispatch(src, msg)
+
+
+def _serve_status(eng: Engine, src: int, msg: tuple) -> None:
+    model = eng.models[SpmdModel.name]
+    run = model.runs.get(msg[1])
+    if run is None:
+        entered, where = 0, "has not started the run's function"
+    else:
+        entered = run.entered
+        pending = sorted(run.colls)
+        where = (f"waits in collective #{pending[-1] + 1} ({run.colls[pending[-1]].name})"
+                 if pending else ("has ended its function" if run.call_fid not in model.by_call
+                                  else "computes"))
+    model.send(src, (STATUS_REPLY, msg[1], eng.id, entered, where))
+
+
+def _serve_status_reply(eng: Engine, src: int, msg: tuple) -> None:
+    model = eng.models[SpmdModel.name]
+    run = model.runs.get(msg[1])
+    if run is None:
+        return
+    run.status[msg[2]] = (msg[3], msg[4])
+    if run.status_wait is not None and len(run.status) >= run.size - 1:
+        run.status_wait._set(True, None)
+
+
+def _serve_revoked(eng: Engine, src: int, msg: tuple) -> None:
+    revoked = eng.models[SpmdModel.name].revoked
+    if len(revoked) >= 1 << 16:
+        revoked.clear()  # a bound; a lost entry makes a stale get go to the owner, who refuses
+    revoked.add(msg[1])
+
+
+register(GET, _serve_get, served_while_busy=True)
+register(REVOKED, _serve_revoked, served_while_busy=True)
+register(PUT, _serve_put, served_while_busy=True)
+register(MEMREPLY, _serve_memreply)
+register(COLL, _serve_run_message)
+register(ENDED, _serve_run_message)
+register(STATUS, _serve_status, served_while_busy=True)
+register(STATUS_REPLY, _serve_status_reply)
+register_model(SpmdModel.name, SpmdModel)
+
+
+def model_of(eng: Engine) -> SpmdModel:
+    return eng.models[SpmdModel.name]
+
+
+def env_timeout() -> Optional[float]:
+    """The collectives' default timeout: MACROFLOW_COLLECTIVE_TIMEOUT seconds, or None."""
+    text = os.environ.get("MACROFLOW_COLLECTIVE_TIMEOUT")
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"MACROFLOW_COLLECTIVE_TIMEOUT must be a number of seconds > 0; "
+                         f"got {text!r}")
+    return value

@@ -1,0 +1,371 @@
+"""Registered memory and one-sided get and put (Tulip's tulip_Get / tulip_Put).
+
+``mf.register(array)`` names a buffer of this context with a
+:class:`MemoryPointer`; any context of the computation then reads it with
+``mf.get`` and writes it with ``mf.put`` without the owner's user code
+taking part. How the bytes move is chosen per request, fastest first:
+
+1. the owner is this context: a copy;
+2. the owner is a process on this host: the requester copies the bytes
+   itself, from a shared mapping when the buffer was allocated with
+   :func:`macroflow.shared_empty`, else with the kernel's cross-process copy
+   (``process_vm_readv``/``writev``): the owner's CPU does nothing, like
+   the T3D's network DMA in the paper;
+3. otherwise (another host, or the kernel refuses): a request message that
+   the owner serves even while one of its methods computes, and whose
+   answer is copied into ``out``.
+
+A put is not atomic (as in Tulip): puts that overlap in the same region at
+the same time leave each byte from one of them, in no defined order; order
+them with a barrier or a handle's ``wait()``. Do not change the data given
+to a put, nor read ``out`` of a get, before the handle completes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from ..core import errors
+from ..core.context import Engine, current_engine
+from ..core.future import current_engine_of
+from ..core.gptr import GlobalPointer
+from ..core.rsr import protocols_of
+from . import memory
+from .model import GET, PUT, REVOKED, Handle, engine_side, local_future, model_of
+
+
+class MemoryPointer(GlobalPointer):
+    """A global pointer to registered memory: a range of elements of one
+    buffer in one context (Tulip's global pointer: context and address).
+
+    ``len(gp)`` is its number of elements, ``gp.dtype`` their type; slicing
+    (``gp[100:200]``, ``gp[5]``) gives a pointer to a part of the range.
+    Picklable: pass it to other contexts (``mf.allgather(gp)``).
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     gp = mf.register(np.arange(10.0))
+        ...     part = gp[2:5]
+        ...     return len(gp), len(part), part.offset, str(part.dtype), mf.get(part).wait()
+        >>> mf.spmd(main, n=1, transport="inproc")
+        [(10, 3, 2, 'float64', array([2., 3., 4.]))]
+    """
+
+    __slots__ = ("dtype", "offset", "length", "region")
+
+    def __init__(self, context: int, ident: Any, protocols: Tuple[Tuple[str, str], ...],
+                 computation: Optional[str], dtype: Any, offset: int, length: int,
+                 region: Any):
+        super().__init__(context, "memory", ident, protocols, computation)
+        self.dtype = np.dtype(dtype)
+        self.offset = offset
+        self.length = length
+        self.region = region
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def nbytes(self) -> int:
+        """How many bytes the pointer's range holds.
+
+        Example:
+            >>> import macroflow as mf, numpy as np
+            >>> mf.spmd(lambda: mf.register(np.zeros(10))[2:4].nbytes, n=1, transport="inproc")
+            [16]
+        """
+        return self.length * self.dtype.itemsize
+
+    def __getitem__(self, key: Any) -> "MemoryPointer":
+        n = self.length
+        if isinstance(key, slice):
+            if key.step not in (None, 1):
+                raise ValueError(f"a memory pointer's slice must be contiguous (step 1); "
+                                 f"got step {key.step}")
+            start = 0 if key.start is None else _index(key.start, n, "start")
+            stop = n if key.stop is None else _index(key.stop, n, "stop")
+            if stop < start:
+                raise IndexError(f"slice [{key.start}:{key.stop}] of a pointer to {n} elements "
+                                 f"ends before it starts")
+        elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            start = _index(key, n, "index")
+            stop = start + 1
+        else:
+            raise TypeError(f"a memory pointer is indexed by an int or a slice; "
+                            f"got {type(key).__name__}")
+        return MemoryPointer(self.context, self.ident, self.protocols, self.computation,
+                             self.dtype, self.offset + start, stop - start, self.region)
+
+    def __reduce__(self):
+        return (MemoryPointer, (self.context, self.ident, self.protocols, self.computation,
+                                self.dtype, self.offset, self.length, self.region))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, MemoryPointer) and super().__eq__(other)
+                and other.offset == self.offset and other.length == self.length)
+
+    def __hash__(self) -> int:
+        return hash((self.context, self.ident, self.offset, self.length))
+
+    def __repr__(self) -> str:
+        return (f"MemoryPointer(ctx={self.context}, {self.ident}, "
+                f"[{self.offset}:{self.offset + self.length}] of {self.dtype})")
+
+
+def _index(i: Any, n: int, what: str) -> int:
+    """A slice bound (0..n, or -n..-1 from the end) or an element index (0..n-1)."""
+    i = int(i)
+    top = n if what != "index" else n - 1
+    j = i + n if i < 0 else i
+    if not 0 <= j <= top:
+        raise IndexError(f"{what} {i} is outside the pointer's range of {n} elements "
+                         f"(0..{top})")
+    return j
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def register(buffer: Any) -> MemoryPointer:
+    """Register ``buffer`` (a C-contiguous numpy array, or any writable
+    bytes-like object) so that every context of the computation can read and
+    write it with :func:`get` and :func:`put`; return its pointer.
+
+    The buffer is not copied: puts change it in place. Keep it alive and
+    registered while others may use it; a buffer from
+    :func:`macroflow.shared_empty` is read and written through shared
+    memory by the other contexts of its host.
+
+    Raises:
+        TypeError: not a buffer, or an array of Python objects.
+        ValueError: the array is not C-contiguous.
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     mine = np.zeros(3)
+        ...     ptrs = mf.allgather(mf.register(mine))
+        ...     mf.put(ptrs[(mf.rank() + 1) % mf.size()], np.full(3, mf.rank() + 1.0)).wait()
+        ...     mf.barrier()
+        ...     return mine
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [array([2., 2., 2.]), array([1., 1., 1.])]
+    """
+    eng = current_engine()
+    if isinstance(buffer, np.ndarray):
+        arr = buffer
+    else:
+        try:
+            arr = np.frombuffer(memoryview(buffer), dtype=np.uint8)
+        except TypeError:
+            raise TypeError(f"mf.register(): buffer must be a numpy array or a bytes-like "
+                            f"object; got {type(buffer).__name__}") from None
+    if arr.dtype.hasobject:
+        raise TypeError(f"mf.register(): an array of dtype {arr.dtype} holds Python objects, "
+                        f"not data another process can copy; register an array of numbers")
+    if not arr.flags.c_contiguous:
+        raise ValueError("mf.register(): the array is not C-contiguous (a strided view?); "
+                         "register the array it views, or np.ascontiguousarray(a)")
+    model = model_of(eng)
+    ident = eng.new_fid()
+    region = memory.describe(arr)
+    engine_side(eng, _keep, model, ident, arr)
+    return MemoryPointer(eng.id, ident, protocols_of(eng, eng.id), eng.computation, arr.dtype,
+                         0, arr.size, region)
+
+
+def _keep(model: Any, ident: Any, arr: np.ndarray) -> None:
+    model.regions[ident] = (arr, _bytes(arr), bool(arr.flags.writeable))
+
+
+def unregister(gp: MemoryPointer) -> None:
+    """Forget memory this context registered; later gets and puts on it fail.
+
+    Every context is told; a get or put that one of them starts after the
+    news arrived fails at the call. Contexts of this host copy from and to
+    the buffer directly, without asking, so make sure none is in flight (a
+    barrier) before the buffer is freed or reused.
+
+    Raises:
+        TypeError: not a MemoryPointer.
+        ValueError: it names memory of another context, or is not registered.
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     gp = mf.register(np.zeros(2))
+        ...     mf.unregister(gp)
+        ...     try:
+        ...         mf.get(gp)
+        ...     except ValueError as e:
+        ...         return "unregistered" in str(e)
+        >>> mf.spmd(main, n=1, transport="inproc")
+        [True]
+    """
+    eng = _engine(gp, "unregister")
+    if gp.context != eng.id:
+        raise ValueError(f"mf.unregister(): {gp!r} names memory of context {gp.context}; "
+                         f"only the context that registered it (this is {eng.id}) can")
+    model = model_of(eng)
+    if gp.ident not in model.regions:
+        raise ValueError(f"mf.unregister(): {gp!r} is not registered (unregistered already?)")
+    engine_side(eng, _forget, eng, model, gp.ident)
+
+
+def _forget(eng: Engine, model: Any, ident: Any) -> None:
+    model.regions.pop(ident, None)
+    # the others copy directly, without asking: tell them it is gone
+    for r in eng.context_ids():
+        if r != eng.id and r not in eng.lost:
+            try:
+                model.send(r, (REVOKED, ident))
+            except ConnectionError:
+                pass
+
+
+def _engine(gp: Any, who: str) -> Engine:
+    if not isinstance(gp, MemoryPointer):
+        raise TypeError(f"mf.{who}(): expected a MemoryPointer (from mf.register); "
+                        f"got {type(gp).__name__}")
+    return current_engine_of(gp.computation, "memory pointer", gp)
+
+
+def get(gp: MemoryPointer, out: Optional[np.ndarray] = None) -> Handle:
+    """Start copying the memory ``gp`` points to into ``out``; return a
+    :class:`Handle` whose ``wait()`` returns ``out`` (Tulip's tulip_Get).
+
+    Args:
+        gp: where to read (a :class:`MemoryPointer`, possibly sliced).
+        out: a writable C-contiguous array of ``gp.dtype`` with ``len(gp)``
+            elements (any shape); default a new 1-D array.
+
+    Raises:
+        TypeError, ValueError: ``out`` does not match ``gp`` (dtype, size,
+            layout), or ``gp`` is this context's and not registered.
+        macroflow.StaleReference: ``gp`` is from another computation.
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     ptrs = mf.allgather(mf.register(np.full(4, float(mf.rank()))))
+        ...     right = np.empty(4)
+        ...     h = mf.get(ptrs[(mf.rank() + 1) % mf.size()], out=right)
+        ...     h.wait()
+        ...     mf.barrier()                  # nobody frees memory another may read
+        ...     return right
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [array([1., 1., 1., 1.]), array([0., 0., 0., 0.])]
+    """
+    eng = _engine(gp, "get")
+    dt = gp.dtype
+    if out is None:
+        out = np.empty(gp.length, dt)
+    else:
+        _check_array(out, gp, "get", "out")
+        if not out.flags.writeable:
+            raise ValueError("mf.get(): out is read-only")
+    model = model_of(eng)
+    f = local_future(eng)
+    n = gp.length * dt.itemsize
+    off = gp.offset * dt.itemsize
+    view = _bytes(out)
+    if gp.context == eng.id:
+        entry = model.regions.get(gp.ident)
+        if entry is None:
+            raise ValueError(f"mf.get(): {gp!r} is not registered (unregistered?)")
+        view[:] = entry[1][off:off + n]
+        f._set(True, out)
+    elif gp.ident in model.revoked:
+        raise ValueError(f"mf.get(): {gp!r} was unregistered by context {gp.context}")
+    elif n == 0:
+        f._set(True, out)
+    elif memory.access().read(gp.region, off, memoryview(view)):
+        model.counts["spmd_gets_direct"] += 1
+        f._set(True, out)
+    else:
+        engine_side(eng, model.request, gp.context, f, (out, view), f"get of {gp!r}", GET,
+                    gp.ident, off, n)
+    return Handle(eng, f, f"get of {gp!r}")
+
+
+def put(gp: MemoryPointer, data: Any) -> Handle:
+    """Start copying ``data`` into the memory ``gp`` points to; return a
+    :class:`Handle` whose ``wait()`` returns None once the data is there
+    (Tulip's tulip_Put). Not atomic (see the module's notes).
+
+    Args:
+        gp: where to write.
+        data: ``len(gp)`` elements of ``gp.dtype``: an array of that dtype
+            (any shape), or numbers and sequences numpy converts to it.
+
+    Raises:
+        TypeError, ValueError: ``data`` has another dtype or size, or the
+            registered buffer is read-only.
+
+    Example:
+        >>> import macroflow as mf, numpy as np
+        >>> def main():
+        ...     mine = np.zeros(4)
+        ...     ptrs = mf.allgather(mf.register(mine))
+        ...     if mf.rank() == 0:
+        ...         mf.put(ptrs[1][1:3], [7.0, 8.0]).wait()
+        ...     mf.barrier()
+        ...     return mine
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [array([0., 0., 0., 0.]), array([0., 7., 8., 0.])]
+    """
+    eng = _engine(gp, "put")
+    dt = gp.dtype
+    if isinstance(data, np.ndarray):
+        arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)
+    else:
+        try:
+            arr = np.asarray(data, dtype=dt)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"mf.put(): data cannot be made {len(gp)} elements of {dt}: "
+                            f"{e}") from None
+    _check_array(arr, gp, "put", "data")
+    model = model_of(eng)
+    f = local_future(eng)
+    n = gp.length * dt.itemsize
+    off = gp.offset * dt.itemsize
+    src = _bytes(arr)
+    if gp.context == eng.id:
+        entry = model.regions.get(gp.ident)
+        if entry is None:
+            raise ValueError(f"mf.put(): {gp!r} is not registered (unregistered?)")
+        if not entry[2]:
+            raise ValueError("mf.put(): the registered buffer is read-only")
+        entry[1][off:off + n] = src
+        f._set(True, None)
+    elif gp.ident in model.revoked:
+        raise ValueError(f"mf.put(): {gp!r} was unregistered by context {gp.context}")
+    elif n == 0:
+        f._set(True, None)
+    elif memory.access().write(gp.region, off, memoryview(src)):
+        model.counts["spmd_puts_direct"] += 1
+        f._set(True, None)
+    else:
+        engine_side(eng, model.request, gp.context, f, None, f"put to {gp!r}", PUT,
+                    gp.ident, off, src)
+    return Handle(eng, f, f"put to {gp!r}")
+
+
+def _check_array(a: np.ndarray, gp: MemoryPointer, who: str, name: str) -> None:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"mf.{who}(): {name} must be a numpy array; got {type(a).__name__}")
+    if a.dtype != gp.dtype:
+        raise TypeError(f"mf.{who}(): {name} has dtype {a.dtype}, the pointer's memory holds "
+                        f"{gp.dtype} (no conversion is made: convert it first)")
+    if a.size != gp.length:
+        raise ValueError(f"mf.{who}(): {name} has {a.size} elements, the pointer's range "
+                         f"[{gp.offset}:{gp.offset + gp.length}] has {gp.length}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"mf.{who}(): {name} must be C-contiguous")
+
+
+_ = errors  # the errors named in the docstrings are raised by the layers below

@@ -1,0 +1,176 @@
+"""SPMD runs and remote actions (Tulip's execution model and RemoteAction)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from ..core import errors
+from ..core.context import current_engine
+from ..core.future import running_computation
+from .model import HANDLERS, KIND, Handle, env_timeout, model_of
+
+
+def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
+         transport: Optional[str] = None, timeout: Optional[float] = None) -> List[Any]:
+    """Run ``fn(*args)`` in every context at once (SPMD, as in Tulip) and
+    return the list of its results by rank.
+
+    Inside ``fn``, :func:`rank` and :func:`size` say which context this is
+    and how many run; collectives, one-sided get/put and remote actions work
+    between them, beside parallel objects. Outside a computation it starts
+    one of ``n`` contexts (as :func:`macroflow.run` does) and ends it after;
+    inside one it runs on contexts ``0..n-1`` (default: all). Under
+    ``mpiexec -n N python script.py`` the same script runs one context per
+    rank (``macroflow run -n N --spmd script.py`` runs a script's ``main``).
+
+    Args:
+        fn: a picklable function; every context gets ``args``.
+        n: number of contexts (default: the computation's, or the CPU count).
+        transport: for a new computation (see :func:`macroflow.init`).
+        timeout: default timeout in seconds of the run's collectives (default
+            MACROFLOW_COLLECTIVE_TIMEOUT, else none: a context that ends or
+            fails without joining a collective is reported at once anyway).
+
+    Raises:
+        The error of the context that failed first in rank order (an error
+        that only followed from another context's is not chosen over it).
+
+    Example:
+        >>> import macroflow as mf
+        >>> def main(scale):
+        ...     return mf.allreduce(mf.rank() * scale)
+        >>> mf.spmd(main, 10, n=3, transport="inproc")
+        [30, 30, 30]
+    """
+    if not callable(fn):
+        raise TypeError(f"mf.spmd(): fn must be callable; got {type(fn).__name__}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"mf.spmd(): n must be a positive int; got {n!r}")
+    if timeout is None:
+        timeout = env_timeout()
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"mf.spmd(): timeout must be a number of seconds > 0, or None; "
+                         f"got {timeout!r}")
+    if running_computation() is None:
+        from ..launch import run
+        return run(_in_computation, fn, args, n, timeout, contexts=n, transport=transport)
+    if transport is not None:
+        raise ValueError("mf.spmd(): transport= is for a new computation; one is running "
+                         "(its contexts run fn)")
+    return _in_computation(fn, args, n, timeout)
+
+
+def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
+                    timeout: Optional[float]) -> List[Any]:
+    eng = current_engine()
+    size = eng.size if n is None else n
+    if size > eng.size:
+        raise ValueError(f"mf.spmd(): n={n}, but the computation has {eng.size} contexts; "
+                         f"add some (mf.add_contexts) or ask for fewer")
+    model = model_of(eng)
+    run_id = (eng.id, next(model.run_seq))
+    futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args), {}, r)
+               for r in range(size)]
+    results: List[Any] = []
+    failures = []
+    for r, f in enumerate(futures):
+        try:
+            results.append(f.result())
+        except Exception as e:
+            failures.append((r, e))
+            results.append(None)
+    if failures:
+        first = next((e for _, e in failures if not isinstance(e, errors.CollectiveError)),
+                     failures[0][1])
+        raise first
+    return results
+
+
+def rank() -> int:
+    """This context's rank in the SPMD run: its context id (0..size()-1).
+
+    Example:
+        >>> import macroflow as mf
+        >>> mf.spmd(mf.rank, n=2, transport="inproc")
+        [0, 1]
+    """
+    return current_engine().id
+
+
+def size() -> int:
+    """How many contexts run the SPMD function (outside a run: how many the
+    computation has).
+
+    Example:
+        >>> import macroflow as mf
+        >>> mf.spmd(mf.size, n=2, transport="inproc")
+        [2, 2]
+    """
+    eng = current_engine()
+    run = model_of(eng).any_run()
+    return eng.size if run is None else run.size
+
+
+def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
+    """Run ``handler(*args)`` in context ``rank``; return a :class:`Handle`
+    that completes, with the handler's return value, once it has run there
+    (Tulip's acknowledged RemoteAction).
+
+    The handler runs in a lightweight thread of that context when its engine
+    is free: while it waits (a collective, a handle, a future), polls
+    (:func:`macroflow.poll`) or has nothing else to do; it may itself wait.
+
+    Args:
+        rank: the context.
+        handler: any picklable callable, or the name of one registered with
+            :func:`register_handler` in every context (a name travels in
+            fewer bytes than a function).
+
+    Raises:
+        ValueError: ``rank`` is not a context of the computation.
+        TypeError: ``handler`` is neither callable nor a str.
+        macroflow.CallError: the handler or the arguments cannot be pickled.
+
+    Example:
+        >>> import macroflow as mf
+        >>> def where(x):
+        ...     return (mf.rank(), x)
+        >>> def main():
+        ...     h = mf.remote_action((mf.rank() + 1) % mf.size(), where, mf.rank())
+        ...     got = h.wait()
+        ...     mf.barrier()
+        ...     return got
+        >>> mf.spmd(main, n=2, transport="inproc")
+        [(1, 0), (0, 1)]
+    """
+    eng = current_engine()
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < eng.size:
+        raise ValueError(f"mf.remote_action(): rank must be a context in 0..{eng.size - 1}; "
+                         f"got {rank!r}")
+    if not (callable(handler) or isinstance(handler, str)):
+        raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
+                        f"registered handler; got {type(handler).__name__}")
+    f = eng.issue(KIND, None, "action", (handler, args, {}), {}, rank)
+    eng.request_value(f)  # the acknowledgement comes back unasked
+    name = handler if isinstance(handler, str) else getattr(handler, "__qualname__", "handler")
+    return Handle(eng, f, f"remote action {name} on context {rank}")
+
+
+def register_handler(name: str, fn: Callable[..., Any]) -> None:
+    """Name a remote action handler, so ``mf.remote_action(rank, name, ...)``
+    finds it. Register it in every context: at import of a module they all
+    import, or before the computation starts (forked contexts inherit it).
+
+    Example:
+        >>> import macroflow as mf
+        >>> def double(x):
+        ...     return 2 * x
+        >>> mf.register_handler("double", double)
+        >>> mf.spmd(lambda: mf.remote_action(0, "double", 21).wait(), n=1, transport="inproc")
+        [42]
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_handler(): name must be a non-empty str; got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"register_handler(): fn must be callable; got {type(fn).__name__}")
+    HANDLERS[name] = fn

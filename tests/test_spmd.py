@@ -1,0 +1,428 @@
+"""Tulip's SPMD model: runs, get/put, remote actions and collectives, on every transport."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- functions run by every context (module level: they travel by reference)
+def tulip_example():
+    me, n = mf.rank(), mf.size()
+    local = np.full(1000, float(me))
+    gp = mf.register(local)
+    ptrs = mf.allgather(gp)
+    right = np.empty(1000)
+    h = mf.get(ptrs[(me + 1) % n], out=right)
+    h.wait()
+    mf.put(ptrs[(me + 1) % n], right * 2).wait()
+    mf.barrier()
+    return mf.allreduce(float(local.sum()), op="sum")
+
+
+def test_the_tulip_example_gives_the_same_answer_on_every_transport(transport):
+    # context r's memory ends up holding 2 * r (its left neighbour put it there)
+    want = 2 * 1000 * sum(range(3))
+    assert mf.spmd(tulip_example, n=3, transport=transport) == [float(want)] * 3
+
+
+def get_put_details():
+    me, n = mf.rank(), mf.size()
+    mine = np.arange(10, dtype=np.int64) + 100 * me
+    ptrs = mf.allgather(mf.register(mine))
+    other = ptrs[(me + 1) % n]
+    out = {}
+    out["whole"] = mf.get(other).wait().tolist()
+    out["slice"] = mf.get(other[2:5]).wait().tolist()
+    out["one"] = mf.get(other[-1]).wait().tolist()
+    out["own"] = mf.get(ptrs[me][0:2]).wait().tolist()
+    shaped = np.empty((2, 5), dtype=np.int64)
+    h = mf.get(other, out=shaped)
+    out["same_out"] = h.wait() is shaped
+    out["tested"] = h.test()
+    out["empty"] = mf.get(other[3:3]).wait().tolist()
+    mf.barrier()
+    # each context writes two elements of its right neighbour's memory
+    mf.put(other[me:me + 2], np.array([-1, -2], dtype=np.int64)).wait()
+    mf.put(other[9], 7).wait()  # a number numpy converts to the pointer's dtype
+    mf.barrier()
+    out["after"] = mine.tolist()
+    return out
+
+
+def test_get_and_put_read_and_write_ranges_of_another_context(transport):
+    res = mf.spmd(get_put_details, n=2, transport=transport)
+    for me, r in enumerate(res):
+        base = 100 * ((me + 1) % 2)
+        assert r["whole"] == [base + i for i in range(10)]
+        assert r["slice"] == [base + 2, base + 3, base + 4]
+        assert r["one"] == [base + 9]
+        assert r["own"] == [100 * me, 100 * me + 1]
+        assert r["same_out"] and r["tested"]
+        assert r["empty"] == []
+        left = (me - 1) % 2
+        want = [100 * me + i for i in range(10)]
+        want[left:left + 2] = [-1, -2]
+        want[9] = 7
+        assert r["after"] == want
+
+
+def collectives():
+    me, n = mf.rank(), mf.size()
+    out = {}
+    out["bcast"] = mf.broadcast({"from": me}, root=n - 1)
+    out["bcast_array"] = mf.broadcast(np.arange(3) * (me + 1), root=0).tolist()
+    out["reduce"] = mf.reduce(me + 1, op="prod", root=1)
+    out["sum"] = mf.allreduce(me)
+    out["min"] = mf.allreduce(np.array([me, -me]), op="min").tolist()
+    out["max"] = mf.allreduce(float(me), op="max")
+    # a callable that does not commute: the result is in rank order
+    out["concat"] = mf.allreduce(str(me), op=lambda a, b: a + b)
+    out["gather"] = mf.allgather((me, "x"))
+    f = mf.barrier_async()
+    out["async"] = f.result()
+    mf.barrier()
+    return out
+
+
+def test_collectives_give_every_context_the_right_value(transport):
+    n = 3
+    res = mf.spmd(collectives, n=n, transport=transport)
+    for me, r in enumerate(res):
+        assert r["bcast"] == {"from": n - 1}
+        assert r["bcast_array"] == [0, 1, 2]
+        assert r["reduce"] == (6 if me == 1 else None)
+        assert r["sum"] == 3
+        assert r["min"] == [0, -2]
+        assert r["max"] == 2.0
+        assert r["concat"] == "012"
+        assert r["gather"] == [(0, "x"), (1, "x"), (2, "x")]
+        assert r["async"] is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_the_tree_reduces_in_rank_order_for_any_size(n):
+    res = mf.spmd(lambda: (mf.allreduce([mf.rank()], op=lambda a, b: a + b),
+                           mf.reduce(mf.rank(), root=n - 1), mf.broadcast(mf.rank(), root=n // 2)),
+                  n=n, transport="inproc")
+    assert [r[0] for r in res] == [list(range(n))] * n
+    assert [r[1] for r in res] == [None] * (n - 1) + [n * (n - 1) // 2]
+    assert [r[2] for r in res] == [n // 2] * n
+
+
+# -- remote actions
+# (state a handler changes lives in registered memory, not in module globals:
+# a context that did not fork from the test may hold the module by value)
+def pong():
+    return mf.rank()
+
+
+def chain(k):
+    # runs on context 0 while its function waits in the barrier
+    return [mf.remote_action(1, pong).wait() for _ in range(k)]
+
+
+def ping_pong_in_barrier(k):
+    if mf.rank() == 2:
+        # contexts 0 and 1 wait in the barrier until the ping-pong between them ends
+        got = mf.remote_action(0, chain, k).wait()
+        mf.barrier()
+        return got
+    mf.barrier()
+    return "waited"
+
+
+def test_a_remote_action_ping_pong_completes_while_both_contexts_wait_in_a_barrier(transport):
+    res = mf.spmd(ping_pong_in_barrier, 20, n=3, transport=transport)
+    assert res == ["waited", "waited", [1] * 20]
+
+
+def set_flag(gp):
+    mf.put(gp, 1.0).wait()  # gp is this context's own memory
+    return "set"
+
+
+def poll_loop():
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        while flag[0] == 0.0:  # a compute loop that polls, as Tulip's did
+            mf.poll()
+        mf.barrier()
+        return "saw it"
+    got = mf.remote_action(1, set_flag, ptrs[1]).wait()
+    mf.barrier()
+    return got
+
+
+def test_poll_in_a_compute_loop_runs_remote_actions(transport):
+    if transport == "inproc":
+        pytest.skip("one process: the polling loop holds the only thread")
+    assert mf.spmd(poll_loop, n=2, transport=transport) == ["set", "saw it"]
+
+
+def busy_owner():
+    me = mf.rank()
+    mine = np.zeros(2)
+    ptrs = mf.allgather(mf.register(mine))
+    if me == 0:
+        while mine[0] == 0.0:  # computes without polling until context 1's put lands
+            pass
+        mf.barrier()
+        return mine.tolist()
+    before = mf.get(ptrs[0]).wait().tolist()
+    mf.put(ptrs[0], [5.0, 6.0]).wait()
+    mf.barrier()
+    return before
+
+
+def test_gets_and_puts_complete_while_the_owner_computes(transport):
+    if transport == "inproc":
+        pytest.skip("one process: the owner's loop holds the only thread")
+    assert mf.spmd(busy_owner, n=2, transport=transport) == [[5.0, 6.0], [0.0, 0.0]]
+
+
+def named(x):
+    return x + 1
+
+
+mf.register_handler("tests.named", named)
+
+
+def actions():
+    out = {}
+    out["named"] = mf.remote_action(0, "tests.named", 41).wait()
+    out["lambda"] = mf.remote_action(mf.size() - 1, lambda: mf.rank()).wait()
+    try:
+        mf.remote_action(0, "no.such.handler").wait()
+    except mf.CallError as e:
+        out["unknown"] = "no.such.handler" in str(e) and "tests.named" in str(e)
+    try:
+        mf.remote_action(0, int, "x").wait()
+    except ValueError as e:
+        out["raises"] = "invalid literal" in str(e)
+    mf.barrier()
+    return out
+
+
+def test_remote_actions_by_name_or_function_and_their_errors(transport):
+    res = mf.spmd(actions, n=2, transport=transport)
+    assert res[1] == {"named": 42, "lambda": 1, "unknown": True, "raises": True}
+
+
+# -- mixing with parallel objects, and runs inside a computation
+@mf.persistent
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def add(self, k):
+        self.n += k
+        return self.n
+
+
+def with_objects(counter):
+    counter.add(mf.rank() + 1).result()
+    mf.barrier()
+    return mf.allreduce(1)
+
+
+def test_spmd_runs_beside_parallel_objects_in_one_computation(transport):
+    with mf.init(contexts=3, transport=transport):
+        c = Counter.create(on=2)
+        assert mf.spmd(with_objects, c) == [3, 3, 3]
+        assert c.add(0).result() == 6
+        assert mf.spmd(lambda: mf.size(), n=2) == [2, 2]  # a second run, on contexts 0 and 1
+        assert mf.stats()[0]["spmd_collectives"] == 2
+
+
+# -- errors
+def test_bad_arguments_fail_at_the_call():
+    def main():
+        gp = mf.register(np.zeros(4))
+        errs = []
+        for bad in (lambda: mf.get(gp, out=np.zeros(4, dtype=np.float32)),
+                    lambda: mf.get(gp, out=np.zeros(3)),
+                    lambda: mf.get(gp, out=np.zeros((4, 2))[:, 0]),
+                    lambda: mf.put(gp, np.zeros(5)),
+                    lambda: mf.put(gp, np.zeros(4, dtype=np.int32)),
+                    lambda: mf.put(gp, "text"),
+                    lambda: gp[2:9],
+                    lambda: gp[4],
+                    lambda: gp[::2],
+                    lambda: mf.get("not a pointer"),
+                    lambda: mf.register(np.zeros((4, 4))[:, 1]),
+                    lambda: mf.register(np.array([object()])),
+                    lambda: mf.register(42),
+                    lambda: mf.reduce(1, op="median"),
+                    lambda: mf.broadcast(1, root=3),
+                    lambda: mf.barrier(timeout=-1),
+                    lambda: mf.remote_action(9, print),
+                    lambda: mf.remote_action(0, 42)):
+            try:
+                bad()
+                errs.append(None)
+            except (TypeError, ValueError, IndexError) as e:
+                errs.append(type(e).__name__ + ": " + str(e))
+        mf.unregister(gp)
+        try:
+            mf.unregister(gp)
+        except ValueError as e:
+            errs.append(str(e))
+        return errs
+
+    errs = mf.spmd(main, n=1, transport="inproc")[0]
+    assert None not in errs, errs
+    text = "\n".join(errs)
+    for words in ("dtype float32", "3 elements", "C-contiguous", "5 elements", "dtype int32",
+                  "stop 9 is outside", "index 4 is outside", "step 2", "MemoryPointer",
+                  "not C-contiguous", "Python objects", "bytes-like", "'median'",
+                  "root must be a rank in 0..0", "timeout must be", "rank must be a context",
+                  "handler must be callable", "not registered"):
+        assert words in text, words
+
+
+def test_collectives_outside_a_run_say_where_they_belong():
+    with mf.init(contexts=1, transport="inproc"):
+        with pytest.raises(RuntimeError, match="function of an SPMD run"):
+            mf.barrier()
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        mf.spmd(print, n=0)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        mf.spmd(42)
+
+
+def unregistered():
+    mine = np.zeros(3)
+    gp = mf.register(mine)
+    ptrs = mf.allgather(gp)
+    if mf.rank() == 0:
+        mf.unregister(gp)
+    mf.barrier()
+    if mf.rank() == 1:
+        for op in (lambda: mf.get(ptrs[0]), lambda: mf.put(ptrs[0], np.ones(3))):
+            try:
+                op().wait()
+                return "no error"
+            except ValueError as e:
+                assert "unregistered" in str(e), e
+        return "refused"
+    return ptrs
+
+
+def test_memory_unregistered_by_its_owner_is_refused_to_the_others(transport):
+    ptrs, refused = mf.spmd(unregistered, n=2, transport=transport)
+    assert refused == "refused"
+    # a pointer of an ended computation is stale
+    with mf.init(contexts=1, transport="inproc"):
+        with pytest.raises(mf.StaleReference):
+            mf.get(ptrs[0])
+
+
+def early_return():
+    if mf.rank() == 1:
+        return "left early"
+    mf.barrier()
+
+
+def mismatched():
+    if mf.rank() == 1:
+        return mf.allreduce(1)
+    mf.barrier()
+
+
+def failing():
+    if mf.rank() == 1:
+        raise KeyError("boom on 1")
+    mf.barrier()
+
+
+def test_a_context_that_never_joins_a_collective_is_reported_not_a_hang(transport):
+    with pytest.raises(mf.CollectiveError, match=r"context 1 ended its SPMD function after 0") as e:
+        mf.spmd(early_return, n=2, transport=transport)
+    assert e.value.missing == [1]
+    with pytest.raises(mf.CollectiveError, match=r"called mf.allreduce\(\).*called mf.barrier\(\)"):
+        mf.spmd(mismatched, n=2, transport=transport)
+    # the failing context's own error is raised, not the others' consequence
+    with pytest.raises(KeyError, match="boom on 1"):
+        mf.spmd(failing, n=3, transport=transport)
+
+
+def late(gate_seconds):
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        while flag[0] == 0.0:  # not in the barrier: computes until context 0 gives up
+            mf.poll()
+        return "released"
+    try:
+        mf.barrier(timeout=gate_seconds)
+    except mf.CollectiveError as e:
+        mf.put(ptrs[1], 1.0).wait()
+        return e.missing, str(e)
+
+
+def test_a_collective_that_times_out_names_the_contexts_that_did_not_arrive():
+    res = mf.spmd(late, 0.3, n=2, transport="local")
+    missing, text = res[0]
+    assert missing == [1] and res[1] == "released"
+    assert "contexts that did not arrive: [1]" in text
+    assert "context 1: has entered 1 collective(s), computes" in text
+
+
+def dies():
+    if mf.rank() == 1:
+        os._exit(3)
+    mf.barrier()
+
+
+def test_a_context_that_dies_fails_the_collectives_waiting_on_it(transport):
+    if transport == "inproc":
+        pytest.skip("one process: exiting ends every context")
+    if transport == "mpi":
+        pytest.skip("under MPI a rank that dies ends the job (see the guide's MPI section)")
+    with pytest.raises(mf.ContextLost):
+        mf.spmd(dies, n=2, transport=transport)
+
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import macroflow as mf
+
+    def main():
+        gp = mf.register(np.full(4, float(mf.rank())))
+        ptrs = mf.allgather(gp)
+        got = mf.get(ptrs[(mf.rank() + 1) % mf.size()]).wait()
+        mf.barrier()
+        return mf.allreduce(float(got.sum()))
+
+    if __name__ == "__main__":
+        print(mf.spmd(main, n=3))
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["python", "run", "mpiexec"])
+def test_one_script_runs_alone_with_macroflow_run_and_under_mpiexec(tmp_path, how):
+    from conftest import MPI_MISSING
+    path = tmp_path / "job.py"
+    path.write_text(SCRIPT)
+    if how == "python":
+        cmd = [sys.executable, str(path)]
+    elif how == "run":
+        cmd = [sys.executable, "-m", "macroflow", "run", "-n", "3", "--spmd", str(path)]
+    else:
+        if MPI_MISSING:
+            pytest.skip(MPI_MISSING)
+        from macroflow.transport.mpi import _find_mpiexec
+        cmd = [_find_mpiexec(), "-n", "3", sys.executable, str(path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[12.0, 12.0, 12.0]"
