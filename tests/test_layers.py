@@ -49,17 +49,33 @@ def test_the_object_model_registers_itself():
 
     assert core.MODELS["objects"] is hosting.ObjectHost
     with mf.init(contexts=1, transport="inproc"):
-        kinds = core.current_engine().call_kinds
-        assert sorted(kinds) == sorted([core.SYSTEM, hosting.PERSISTENT, hosting.CREATE,
-                                        hosting.REGULAR])
+        eng = core.current_engine()
+        assert sorted(eng.models["objects"].kinds) == sorted([hosting.PERSISTENT, hosting.CREATE,
+                                                              hosting.REGULAR])
+        # the engine serves the core's kind and every registered model's, nothing else
+        declared = {k for m in eng.models.values() for k in m.kinds}
+        assert sorted(eng.call_kinds) == sorted(declared | {core.SYSTEM})
+        assert sorted(eng.models) == sorted(core.MODELS) and "spmd" in eng.models
+
+
+def test_the_spmd_model_takes_opcodes_above_the_cores():
+    from macroflow.spmd import model as spmd
+    ours = [spmd.GET, spmd.PUT, spmd.MEMREPLY, spmd.COLL, spmd.ENDED, spmd.STATUS,
+            spmd.STATUS_REPLY, spmd.REVOKED]
+    assert all(op >= 17 and op in core.HANDLERS for op in ours)
+    # the memory it serves while a method computes needs no user code
+    assert sorted(op for op in ours if op in core.SERVED_WHILE_BUSY) == sorted(
+        [spmd.GET, spmd.PUT, spmd.STATUS, spmd.REVOKED])
 
 
 def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
-    assert sorted(core.HANDLERS) == sorted(
+    mine = sorted(op for op in core.HANDLERS if op < 17)  # 17..255 are the models'
+    assert mine == sorted(
         [core.FORWARD, core.RELEASE, core.RSR, core.RSR_NOW, core.READY, core.SHUTDOWN,
          core.FATAL, core.PROBE, core.MEMBERS, core.JOINED, core.RETIRE, core.HANDOVER,
          core.RETIRED, core.RETIRE_ACK, core.LEFT])
-    assert sorted(core.SERVED_WHILE_BUSY) == sorted([core.FORWARD, core.RELEASE, core.RSR_NOW])
+    assert sorted(op for op in core.SERVED_WHILE_BUSY if op < 17) == sorted(
+        [core.FORWARD, core.RELEASE, core.RSR_NOW])
     core.register(210, lambda eng, src, msg: None, served_while_busy=True)
     try:
         assert 210 in core.HANDLERS and 210 in core.SERVED_WHILE_BUSY

@@ -332,6 +332,12 @@ def early_return():
     mf.barrier()
 
 
+def early_return_array():
+    if mf.rank() == 1:
+        return "left early"
+    mf.allreduce(np.ones(3), op="sum")
+
+
 def mismatched():
     if mf.rank() == 1:
         return mf.allreduce(1)
@@ -348,6 +354,10 @@ def test_a_context_that_never_joins_a_collective_is_reported_not_a_hang(transpor
     with pytest.raises(mf.CollectiveError, match=r"context 1 ended its SPMD function after 0") as e:
         mf.spmd(early_return, n=2, transport=transport)
     assert e.value.missing == [1]
+    # (under MPI these are MPI's own collectives, which the context that left
+    # joins afterwards, so that the job can end)
+    with pytest.raises(mf.CollectiveError, match=r"context 1 ended its SPMD function"):
+        mf.spmd(early_return_array, n=2, transport=transport)
     with pytest.raises(mf.CollectiveError, match=r"called mf.allreduce\(\).*called mf.barrier\(\)"):
         mf.spmd(mismatched, n=2, transport=transport)
     # the failing context's own error is raised, not the others' consequence
@@ -426,3 +436,35 @@ def test_one_script_runs_alone_with_macroflow_run_and_under_mpiexec(tmp_path, ho
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[12.0, 12.0, 12.0]"
+
+
+def native_path():
+    from macroflow.core.context import current_engine
+    from macroflow.spmd.model import model_of
+    model = model_of(current_engine())
+    run = model.current_run("test")
+    mf.barrier()
+    total = mf.allreduce(np.arange(3, dtype=np.int64) * (mf.rank() + 1), op="sum")
+    return model.natives(run) is not None, total.tolist()
+
+
+def test_under_mpi_the_barrier_and_array_allreduce_are_mpis_own(transport):
+    res = mf.spmd(native_path, n=2, transport=transport)
+    assert [r[1] for r in res] == [[0, 3, 6]] * 2
+    assert [r[0] for r in res] == [transport == "mpi"] * 2
+
+
+def test_a_poller_is_called_at_each_step_until_it_returns_true():
+    from macroflow.core.context import current_engine
+    calls = []
+
+    def poller():
+        calls.append(1)
+        return len(calls) == 3
+
+    with mf.init(contexts=1, transport="inproc"):
+        eng = current_engine()
+        eng.add_poller(poller)
+        for _ in range(5):
+            eng.step(0)
+        assert len(calls) == 3 and eng.pollers == []

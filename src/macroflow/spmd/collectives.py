@@ -143,11 +143,12 @@ class Collective:
         op = natives.start(self.kind, self.value, self.opname)
 
         def poll() -> bool:
-            if self.future._state:  # failed meanwhile (a context ended without joining)
-                return True
+            # failed meanwhile (a context ended without joining): still driven
+            # until MPI ends it (the context that did not join catches up)
             if not op.test():
                 return False
-            self.complete(op.result())
+            if not self.future._state:
+                self.complete(op.result())
             return True
 
         if not poll():

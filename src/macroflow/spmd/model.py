@@ -14,8 +14,10 @@ MEMREPLY      (op, request, ok, data or error): completes a get or put handle
 COLL          (op, run, seq, kind, phase, payload): one step of collective
               number ``seq`` of a run (phase "u" up the tree, "d" down it,
               "r" a reduction's result to its root)
-ENDED         (op, run, rank, entered, failure): a context's function of the
-              run ended after entering ``entered`` collectives
+ENDED         (op, run, rank, entered, failure, natives): a context's function
+              of the run ended after entering ``entered`` collectives; natives:
+              the transport's own collectives it started and has not seen
+              end (see SpmdModel.catch_up), or None
 STATUS        (op, run, asker): how far are you? (a timed-out collective
               asks, to name who did not arrive); served while computing
 STATUS_REPLY  (op, run, rank, entered, in what collective)
@@ -314,9 +316,11 @@ class SpmdModel(Model):
 
     def _end(self, run: Run, failure: Optional[str]) -> None:
         self.by_call.pop(run.call_fid, None)
+        natives = None if run.natives is _UNKNOWN or run.natives is None \
+            else run.natives.unfinished()
         for r in range(run.size):
             if r != self.eng.id and r not in self.eng.lost:
-                self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure))
+                self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure, natives))
 
     def natives(self, run: Run) -> Any:
         """The transport's own collectives for ``run`` (MPI's), or None: the
@@ -327,6 +331,17 @@ class SpmdModel(Model):
             off = os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0"
             run.natives = None if fn is None or off else fn(list(range(run.size)))
         return run.natives
+
+    def catch_up(self, run: Run, natives: Tuple[int, list]) -> None:
+        """Another context's function ended with native collectives started
+        that this one never joined (it ended, or failed, first): join them, so
+        that no rank's MPI is left holding a collective that cannot end."""
+        mine = self.natives(run)
+        if mine is None:
+            return
+        for op in mine.catch_up(*natives):
+            if not op.test():
+                self.eng.add_poller(op.test)
 
     def current_run(self, who: str) -> Run:
         """The run whose function is running in this lightweight thread."""
@@ -361,6 +376,8 @@ class SpmdModel(Model):
         if msg[0] == ENDED:
             from .collectives import on_ended
             on_ended(self, run, msg[2], msg[3], msg[4])
+            if msg[5] is not None:
+                self.catch_up(run, msg[5])
         else:
             from .collectives import on_message
             on_message(self, run, src, msg)
@@ -375,43 +392,43 @@ class SpmdModel(Model):
         self.send(dest, (op, req) + fields)
 
 
-def _serve_get(eng: Engine, src: int, msg: tuple) -> None:
-    _, req, ident, off, n = msg
+def _target(eng: Engine, src: int, req: int, ident: Any, off: int, n: int,
+            writing: bool) -> Any:
+    """The bytes of registered memory ``ident`` a GET or PUT asks for, or None
+    after answering the requester why not."""
     model = eng.models[SpmdModel.name]
     entry = model.regions.get(ident)
     if entry is None:
-        model.send(src, (MEMREPLY, req, False, _gone(eng, ident)))
-        return
-    data = entry[1]
-    if off < 0 or off + n > len(data):
-        model.send(src, (MEMREPLY, req, False, ValueError(
-            f"bytes {off}..{off + n} are outside the registered {len(data)} bytes")))
-        return
-    model.counts["spmd_gets_served"] += 1
-    model.send(src, (MEMREPLY, req, True, pickle.PickleBuffer(data[off:off + n])))
+        error: BaseException = _gone(eng, ident)
+    elif off < 0 or off + n > len(entry[1]):
+        error = ValueError(f"bytes {off}..{off + n} are outside the registered "
+                           f"{len(entry[1])} bytes")
+    elif writing and not entry[2]:
+        error = ValueError("the registered buffer is read-only: mf.put() cannot write it")
+    else:
+        return entry[1][off:off + n]
+    model.send(src, (MEMREPLY, req, False, error))
+    return None
+
+
+def _serve_get(eng: Engine, src: int, msg: tuple) -> None:
+    _, req, ident, off, n = msg
+    data = _target(eng, src, req, ident, off, n, False)
+    if data is not None:
+        model = eng.models[SpmdModel.name]
+        model.counts["spmd_gets_served"] += 1
+        model.send(src, (MEMREPLY, req, True, pickle.PickleBuffer(data)))
 
 
 def _serve_put(eng: Engine, src: int, msg: tuple) -> None:
     _, req, ident, off, payload = msg
-    model = eng.models[SpmdModel.name]
-    entry = model.regions.get(ident)
-    if entry is None:
-        model.send(src, (MEMREPLY, req, False, _gone(eng, ident)))
-        return
-    data = entry[1]
-    src_bytes = memoryview(payload).cast("B")
-    n = len(src_bytes)
-    if off < 0 or off + n > len(data):
-        model.send(src, (MEMREPLY, req, False, ValueError(
-            f"bytes {off}..{off + n} are outside the registered {len(data)} bytes")))
-        return
-    if not entry[2]:
-        model.send(src, (MEMREPLY, req, False, ValueError(
-            "the registered buffer is read-only: mf.put() cannot write it")))
-        return
-    data[off:off + n] = src_bytes
-    model.counts["spmd_puts_served"] += 1
-    model.send(src, (MEMREPLY, req, True, None))
+    got = memoryview(payload).cast("B")
+    data = _target(eng, src, req, ident, off, len(got), True)
+    if data is not None:
+        data[:] = got
+        model = eng.models[SpmdModel.name]
+        model.counts["spmd_puts_served"] += 1
+        model.send(src, (MEMREPLY, req, True, None))
 
 
 def _gone(eng: Engine, ident: Any) -> BaseException:

@@ -268,28 +268,8 @@ def get(gp: MemoryPointer, out: Optional[np.ndarray] = None) -> Handle:
         _check_array(out, gp, "get", "out")
         if not out.flags.writeable:
             raise ValueError("mf.get(): out is read-only")
-    model = model_of(eng)
-    f = local_future(eng)
-    n = gp.length * dt.itemsize
-    off = gp.offset * dt.itemsize
-    view = _bytes(out)
-    if gp.context == eng.id:
-        entry = model.regions.get(gp.ident)
-        if entry is None:
-            raise ValueError(f"mf.get(): {gp!r} is not registered (unregistered?)")
-        view[:] = entry[1][off:off + n]
-        f._set(True, out)
-    elif gp.ident in model.revoked:
-        raise ValueError(f"mf.get(): {gp!r} was unregistered by context {gp.context}")
-    elif n == 0:
-        f._set(True, out)
-    elif memory.access().read(gp.region, off, memoryview(view)):
-        model.counts["spmd_gets_direct"] += 1
-        f._set(True, out)
-    else:
-        engine_side(eng, model.request, gp.context, f, (out, view), f"get of {gp!r}", GET,
-                    gp.ident, off, n)
-    return Handle(eng, f, f"get of {gp!r}")
+    return _transfer(eng, gp, "get", _bytes(out), out)
+
 
 
 def put(gp: MemoryPointer, data: Any) -> Handle:
@@ -329,30 +309,45 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
             raise TypeError(f"mf.put(): data cannot be made {len(gp)} elements of {dt}: "
                             f"{e}") from None
     _check_array(arr, gp, "put", "data")
+    return _transfer(eng, gp, "put", _bytes(arr), None)
+
+
+
+def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
+              value: Any) -> Handle:
+    """Copy between ``gp``'s memory and ``mine`` (its bytes; to ``mine`` for a
+    get, from it for a put) by the fastest way there is; the handle's value
+    is ``value``."""
     model = model_of(eng)
     f = local_future(eng)
-    n = gp.length * dt.itemsize
-    off = gp.offset * dt.itemsize
-    src = _bytes(arr)
+    what = f"{who} of {gp!r}"
+    n = gp.length * gp.dtype.itemsize
+    off = gp.offset * gp.dtype.itemsize
+    getting = who == "get"
     if gp.context == eng.id:
         entry = model.regions.get(gp.ident)
         if entry is None:
-            raise ValueError(f"mf.put(): {gp!r} is not registered (unregistered?)")
-        if not entry[2]:
-            raise ValueError("mf.put(): the registered buffer is read-only")
-        entry[1][off:off + n] = src
-        f._set(True, None)
+            raise ValueError(f"mf.{who}(): {gp!r} is not registered (unregistered?)")
+        if getting:
+            mine[:] = entry[1][off:off + n]
+        elif not entry[2]:
+            raise ValueError(f"mf.{who}(): the registered buffer is read-only")
+        else:
+            entry[1][off:off + n] = mine
+        f._set(True, value)
     elif gp.ident in model.revoked:
-        raise ValueError(f"mf.put(): {gp!r} was unregistered by context {gp.context}")
+        raise ValueError(f"mf.{who}(): {gp!r} was unregistered by context {gp.context}")
     elif n == 0:
-        f._set(True, None)
-    elif memory.access().write(gp.region, off, memoryview(src)):
-        model.counts["spmd_puts_direct"] += 1
-        f._set(True, None)
+        f._set(True, value)
+    elif (memory.access().read if getting else memory.access().write)(
+            gp.region, off, memoryview(mine)):
+        model.counts["spmd_gets_direct" if getting else "spmd_puts_direct"] += 1
+        f._set(True, value)
+    elif getting:
+        engine_side(eng, model.request, gp.context, f, (value, mine), what, GET, gp.ident, off, n)
     else:
-        engine_side(eng, model.request, gp.context, f, None, f"put to {gp!r}", PUT,
-                    gp.ident, off, src)
-    return Handle(eng, f, f"put to {gp!r}")
+        engine_side(eng, model.request, gp.context, f, None, what, PUT, gp.ident, off, mine)
+    return Handle(eng, f, what)
 
 
 def _check_array(a: np.ndarray, gp: MemoryPointer, who: str, name: str) -> None:

@@ -1062,6 +1062,8 @@ class MpiTransport(Transport):
         self.closed = True
         if self.waker is not None:
             self.waker.close()
+        if self._natives is not None:
+            self._natives.close()
         for c in self.release:
             try:
                 c.Disconnect()
@@ -1713,6 +1715,37 @@ class MpiCollectives:
     def __init__(self, MPI: Any, comm: Any):
         self.MPI = MPI
         self.comm, self.dup = comm.Idup()
+        self.started = 0  # collectives started on it: each rank's count, matched in order
+        self.pending: List["NativeCollective"] = []  # started, not yet seen complete
+
+    def unfinished(self) -> Tuple[int, List[Tuple[int, tuple]]]:
+        """How many collectives this rank started, and (index, spec) of those
+        not complete: what another rank needs to join them (see catch_up)."""
+        self.pending = [c for c in self.pending if not c.done]
+        return self.started, [(c.index, c.spec()) for c in self.pending]
+
+    def catch_up(self, started: int, specs: Sequence[Tuple[int, tuple]]) -> List["NativeCollective"]:
+        """Join the collectives another rank started and this one never did
+        (its run's function ended without them): a collective that some rank
+        never joins would hold every rank's disconnection from MPI. Returns
+        the ones started, for the caller to drive to completion."""
+        import numpy as np
+        joined = []
+        for index, (kind, dtype, shape, op) in specs:
+            if index >= self.started and index < started:
+                value = None if kind == "barrier" else np.zeros(shape, dtype)
+                joined.append(self.start(kind, value, op))
+        return joined
+
+    def close(self) -> None:
+        """Free the duplicate communicator: MPI frees it once what is pending
+        on it ends, and a collective a rank never joined must not hold the
+        disconnection of the others."""
+        if self.dup is None:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
 
     def can(self, kind: str, value: Any, op: Any) -> bool:
         """Whether :meth:`start` can do this collective natively."""
@@ -1725,24 +1758,37 @@ class MpiCollectives:
         return False
 
     def start(self, kind: str, value: Any, op: Any) -> "NativeCollective":
-        return NativeCollective(self, kind, value, op)
+        c = NativeCollective(self, kind, value, op, self.started)
+        self.started += 1
+        self.pending.append(c)
+        return c
 
 
 class NativeCollective:
     """One collective of :class:`MpiCollectives` in progress: ``test()``
     makes progress and says whether it is done; ``result()`` then."""
 
-    __slots__ = ("owner", "kind", "value", "op", "req", "out")
+    __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done")
 
-    def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any):
+    def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any, index: int):
         self.owner = owner
         self.kind = kind
         self.value = value
         self.op = op
+        self.index = index
         self.req: Any = None
         self.out: Any = None
+        self.done = False
+
+    def spec(self) -> tuple:
+        """(kind, dtype, shape, op): enough for another rank to join it."""
+        v = self.value
+        return (self.kind, None if v is None else v.dtype.str,
+                None if v is None else v.shape, self.op)
 
     def test(self) -> bool:
+        if self.done:
+            return True
         owner = self.owner
         if self.req is None:
             if owner.dup is not None:
@@ -1757,7 +1803,9 @@ class NativeCollective:
                 self.out = np.empty_like(self.value)
                 ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
                 self.req = owner.comm.Iallreduce(self.value, self.out, op=ops[self.op])
-        return bool(self.req.Test())
+        if self.req.Test():
+            self.done = True
+        return self.done
 
     def result(self) -> Any:
         return self.out
