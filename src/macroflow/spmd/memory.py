@@ -442,6 +442,34 @@ class Access:
                 return True
         return self._vm(_vm_read, region, offset, _addressof(_char_at(m)), n)
 
+    def view(self, region: Region) -> Optional[np.ndarray]:
+        """The region's bytes as a writable uint8 array in this process, for
+        memory that several processes use in place (a barrier's counters):
+        the owner's own buffer, or a shared mapping of it; None where it can
+        only be copied (process_vm) or not reached.
+
+        Example:
+            >>> a = shared_zeros(4, np.int64)
+            >>> v = access().view(describe(a))
+            >>> v[8] = 1
+            >>> a.tolist()
+            [0, 1, 0, 0]
+        """
+        if region.readonly:
+            return None
+        if region.pid == os.getpid():
+            if region.nbytes == 0:
+                return np.empty(0, np.uint8)
+            return np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(
+                region.address))
+        if region.shm is None or region.node != self.node:
+            return None
+        mapped = self._mapped(region)
+        if mapped is None or mapped is False:
+            return None
+        start = region.shm[1]
+        return mapped[start:start + region.nbytes]
+
     def write(self, region: Region, offset: int, data: Any) -> bool:
         """Copy ``data`` into the region's bytes ``[offset, offset + data's size)``.
 
