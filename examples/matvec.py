@@ -101,7 +101,8 @@ def main() -> None:
 
     err = float(np.max(np.abs(y - expected)))
     err_power = float(np.max(np.abs(v - u)))
-    ok = np.allclose(y, expected, rtol=1e-12, atol=1e-12) and np.allclose(v, u, rtol=1e-12, atol=1e-12)
+    pairs = ((y, expected), (v, u))
+    ok = all(np.allclose(got, want, rtol=1e-12, atol=1e-12) for got, want in pairs)
     print(f"verified against numpy's A @ x: {'yes' if ok else 'NO'}  "
           f"(max abs difference {err:.1e}; after {args.steps} power steps {err_power:.1e})")
     print(f"serial numpy A @ x          {t_serial * 1e3:8.2f} ms")

@@ -48,7 +48,7 @@ def initial_rows(n: int, lo: int, hi: int) -> np.ndarray:
 
 
 def relax(old: np.ndarray, new: np.ndarray) -> None:
-    """One Jacobi step: each inner point of ``new`` becomes the mean of its neighbours in ``old``."""
+    """One Jacobi step: each inner point of ``new`` gets the mean of its neighbours in ``old``."""
     new[1:-1, 1:-1] = 0.25 * (old[:-2, 1:-1] + old[2:, 1:-1] + old[1:-1, :-2] + old[1:-1, 2:])
 
 
@@ -129,7 +129,8 @@ def main() -> None:
     grid = np.vstack([expected[:1], inner, expected[-1:]])  # the fixed top and bottom edges
 
     diff = float(np.max(np.abs(grid - expected)))
-    print(f"max abs difference from serial: {diff:.1e}  match serial: {'yes' if diff == 0 else 'NO'}")
+    match = "yes" if diff == 0 else "NO"
+    print(f"max abs difference from serial: {diff:.1e}  match serial: {match}")
     print(f"serial numpy            {t_serial:7.3f} s")
     print(f"bands, whole SPMD run   {t_parallel:7.3f} s   "
           f"(loop {max(t for _, _, t in parts):.3f} s, {iterations} barriers)")

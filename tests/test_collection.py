@@ -130,8 +130,8 @@ def test_elements_live_where_the_distribution_says_and_operations_run_there(run)
     assert out["grid_owner"] == [0, 0, 1, 1, 2, 2]
     assert out["block_where"] == list(zip(range(7), out["block_owner"]))
     assert out["cyclic_where"] == list(zip(range(7), out["cyclic_owner"]))
-    assert out["grid_where"] == [((i, j), c) for (i, j), c in
-                                 zip([(i, j) for i in range(2) for j in range(3)], out["grid_owner"])]
+    grid_indices = [(i, j) for i in range(2) for j in range(3)]
+    assert out["grid_where"] == list(zip(grid_indices, out["grid_owner"]))
     assert out["apply"] == [3 * (101.0 + i) for i in range(7)]
     assert out["apply_fn"] == [2 * i for i in range(7)]
     assert out["apply_arc"] == [60 * i for i in range(7)]

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 from ..core.context import MISSING, current_engine
 from ..core.errors import CallError
 from ..core.future import Future, current_engine_of
@@ -179,8 +181,6 @@ class _Host:
             raise
 
     def pointer(self, k: int, attr: str) -> MemoryPointer:
-        import numpy as np
-
         index = _unflatten(k, self.shape)
         try:
             arr = _attribute(self.elements[k], attr)
@@ -504,7 +504,8 @@ class Collection:
             ...     def where(self): return (self.index, mf.context_id())
             >>> def main():
             ...     coll = mf.Collection(Cell, 4, distribution="cyclic")
-            ...     return coll.apply("where").result(), coll.apply(lambda el, k: el.index * k, 3).result()
+            ...     scaled = coll.apply(lambda el, k: el.index * k, 3)
+            ...     return coll.apply("where").result(), scaled.result()
             >>> mf.run(main, contexts=2, transport="inproc")
             ([(0, 0), (1, 1), (2, 0), (3, 1)], [0, 3, 6, 9])
         """
@@ -636,8 +637,6 @@ class Collection:
 
 
 def _is_int(x: Any) -> bool:
-    import numpy as np
-
     return isinstance(x, (int, np.integer))
 
 
