@@ -105,6 +105,26 @@ def test_matmul_more_blocks_than_contexts():
     assert "verified against numpy: yes" in out, out
 
 
+@pytest.mark.timeout(120)
+def test_stencil():
+    out = run([sys.executable, "examples/stencil.py", "--contexts", "3", "--size", "41",
+               "--iterations", "25"])
+    assert "41x41 grid, 25 Jacobi iterations, 3 bands on 3 contexts" in out, out
+    assert "match serial: yes" in out, out
+    # two inner borders, a row each way per iteration, copied directly or served
+    m = re.search(r"halo rows read: (\d+) copied by the reader, (\d+) served", out)
+    assert m and int(m[1]) + int(m[2]) == 2 * 2 * 25, out
+
+
+@pytest.mark.timeout(120)
+def test_matvec():
+    # more blocks than contexts, and a size the blocks do not divide evenly
+    out = run([sys.executable, "examples/matvec.py", "--contexts", "2", "--size", "101",
+               "--blocks", "5", "--steps", "3"])
+    assert "5 row blocks on contexts [0, 1]" in out, out
+    assert "verified against numpy's A @ x: yes" in out, out
+
+
 def python_blocks(path):
     return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 

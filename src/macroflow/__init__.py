@@ -6,7 +6,7 @@ Layers, bottom up (see docs/guide.md):
              global pointers, remote service requests, marshalling, placement
   objects    Mentat's persistent and regular parallel objects and dataflow
   spmd       Tulip's SPMD runs: registered memory, get/put, remote actions,
-             collectives that keep serving
+             collectives that keep serving; pC++'s distributed collections
   launch     run / init / shutdown, and the `macroflow` command
 Everything public is re-exported here; nothing else lives in this file.
 """
@@ -53,6 +53,7 @@ from .objects.persistent import persistent as persistent
 from .objects.persistent import regular as regular
 from .objects.persistent import rtf as rtf
 
+from .spmd.collection import Collection as Collection
 from .spmd.collectives import allgather as allgather
 from .spmd.collectives import allreduce as allreduce
 from .spmd.collectives import barrier as barrier
