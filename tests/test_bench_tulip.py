@@ -81,10 +81,12 @@ def test_the_remote_action_ping_pong_is_beside_the_rsr_one_and_the_paper(quick):
     assert ra["contexts"] == 3 and ra["oversubscribed"] == (3 > res["meta"]["cpus"])
     e = ra["transports"]["local"]
     assert e["status"] == "measured"
-    for row in ("ra", "rsr"):
+    for row in ("ra", "ra_idle", "rsr"):
         assert _positive(e[row]["median_us"])
         assert e[row]["n"] == tulip.QUICK.batches * tulip.QUICK.pingpongs
-    assert _positive(e["ratio"])
+    assert _positive(e["ratio"]) and _positive(e["ra/ra_idle"])
+    assert e["ratio"] == tulip.paired_ratio(e["ra"]["batch_medians_us"],
+                                            e["rsr"]["batch_medians_us"])
     assert "RA in barrier, us" in printed and "SP2 165 us, T3D 87.3 us" in printed
 
 

@@ -66,6 +66,9 @@ COUNTS = (2, 4, 8)
 PATTERNS = ("synchronised", "staggered", "late")
 LAYOUTS = ("padded", "packed", "central")
 TRANSPORTS = ("local", "mpi")
+#: Section 4.2's rows: remote actions while both contexts wait in a barrier, remote
+#: actions between idle contexts (what the barrier adds), rsr there and back
+RA_ROWS = ("ra", "ra_idle", "rsr")
 #: Figure 1's rows
 GET_ROWS = ("get_shm", "get_vm", "two_sided", "copy")
 ROW_TITLES = {"get_shm": "get, shared_empty", "get_vm": "get, numpy (process_vm)",
@@ -580,7 +583,8 @@ def _ra_in_barrier(k: int) -> Any:
 
 
 def _pingpong_worker(transport: str, cfg: Config) -> Dict[str, Any]:
-    """Section 4.2 on ``transport``: both ping-pongs in alternating batches."""
+    """Section 4.2 on ``transport``: the ping-pongs of :data:`RA_ROWS` in
+    batches, in a rotating order."""
     from macroflow.bench.nexus import module_problem
     from macroflow.core.context import current_engine
     problem = module_problem(transport)
@@ -609,13 +613,25 @@ def _pingpong_worker(transport: str, cfg: Config) -> Dict[str, Any]:
                 out.append(clock() - t)
             return out
 
+        def ra_idle(k: int) -> List[int]:
+            out = []
+            for _ in range(k):
+                t = clock()
+                mf.remote_action(1, _pong).wait()
+                out.append(clock() - t)
+            return out
+
         rsr_pingpong(cfg.warmup)
+        ra_idle(cfg.warmup)
         mf.spmd(_ra_in_barrier, cfg.warmup)
-        samples: Dict[str, List[List[int]]] = {"ra": [], "rsr": []}
+        rows = list(RA_ROWS)
+        samples: Dict[str, List[List[int]]] = {r: [] for r in rows}
         for batch in range(cfg.batches):
-            for row in (("ra", "rsr") if batch % 2 == 0 else ("rsr", "ra")):
+            for row in rows[batch % 3:] + rows[:batch % 3]:
                 if row == "ra":
                     samples["ra"].append(mf.spmd(_ra_in_barrier, cfg.pingpongs)[2])
+                elif row == "ra_idle":
+                    samples["ra_idle"].append(ra_idle(cfg.pingpongs))
                 else:
                     samples["rsr"].append(rsr_pingpong(cfg.pingpongs))
     out = {}
@@ -883,9 +899,11 @@ def _remote_action(cfg: Config, mpi_missing: Optional[str],
         status, reason = _status(res)
         entry: Dict[str, Any] = {"status": status, "reason": reason}
         if status == "measured":
-            entry.update(ra=res["ra"], rsr=res["rsr"],
-                         ratio=paired_ratio(res["ra"]["batch_medians_us"],
-                                            res["rsr"]["batch_medians_us"]))
+            entry.update({r: res[r] for r in RA_ROWS})
+            entry["ratio"] = paired_ratio(res["ra"]["batch_medians_us"],
+                                          res["rsr"]["batch_medians_us"])
+            entry["ra/ra_idle"] = paired_ratio(res["ra"]["batch_medians_us"],
+                                               res["ra_idle"]["batch_medians_us"])
         out["transports"][transport] = entry
     return out
 
@@ -1063,13 +1081,17 @@ def tables(res: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[str]], L
         out.append((f"Figure 1 on {t}: mf.get from a context that polls, median", heads, rows,
                     notes))
     ra = res["remote_action"]
-    rows = [[t, _us(e["ra"]["median_us"]), _us(e["rsr"]["median_us"]), _x(e["ratio"])]
+    rows = [[t, _us(e["ra"]["median_us"]), _us(e["ra_idle"]["median_us"]),
+             _us(e["rsr"]["median_us"]), _x(e["ratio"]), _x(e["ra/ra_idle"])]
             for t, e in ra["transports"].items() if e.get("status") == "measured"]
     over = " (3 contexts: oversubscribed)" if ra["oversubscribed"] else ""
     out.append((f"Section 4.2: remote action ping-pong while both contexts wait in a barrier{over}, "
                 "median round trip",
-                ["transport", "RA in barrier, us", "rsr idle, us", "RA/rsr"], rows,
-                [f"paper: {PAPER['remote_action']}"]))
+                ["transport", "RA in barrier, us", "RA idle, us", "rsr idle, us", "RA/rsr",
+                 "in barrier/idle"], rows,
+                ["RA in barrier: context 0 runs it while its function and context 1's wait in "
+                 "mf.barrier(); idle: from context 0's main to an idle context 1",
+                 f"paper: {PAPER['remote_action']}"]))
     f2 = res["figure2"]
     rows = []
     for n in f2["counts"]:
@@ -1092,7 +1114,13 @@ def tables(res: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[str]], L
     if f3["status"] == "measured":
         rows = [[layout] + [_us(f3["us"][layout][str(n)]) for n in f3["counts"]]
                 for layout in f3["layouts"]]
-        notes = [f"waiters: {f3['waiters']}", f"paper: {PAPER['figure3']}"]
+        notes = [f"waiters: {f3['waiters']}"]
+        ref = [f"{n} contexts {_us(f2['us']['local'][str(n)]['synchronised'])} us"
+               for n in f3["counts"] if str(n) in f2["us"]["local"]]
+        if ref:
+            notes.append("for comparison, mf.barrier() on local, synchronised (Figure 2): "
+                         + ", ".join(ref))
+        notes.append(f"paper: {PAPER['figure3']}")
     else:
         rows, notes = [], [f"{f3['status']}: {f3['reason']}"]
     out.append(("Figure 3: ShmBarrier between processes, tight loop, us per barrier",
@@ -1195,7 +1223,8 @@ def _example_result() -> Dict[str, Any]:
                                       "mpi": {"status": "not available", "reason": missing}}},
            "remote_action": {"contexts": 3, "oversubscribed": True, "transports": {
                "local": {"status": "measured", "reason": "", "ra": fig(120.0),
-                         "rsr": fig(60.0), "ratio": 2.0}}},
+                         "ra_idle": fig(110.0), "rsr": fig(60.0), "ratio": 2.0,
+                         "ra/ra_idle": 1.09}}},
            "figure2": {"counts": [2], "patterns": list(PATTERNS), "delay_us": 100.0,
                        "oversubscribed": {"2": False},
                        "systems": {"local": {"status": "measured", "reason": ""},
