@@ -47,7 +47,10 @@ spinning. A lock made before a fork (``multiprocessing.Lock``) is not in the
 buffer, so a peer that only maps the buffer could not use it, and an
 ``fcntl`` lock costs two system calls per arrival. Rank 0's constructor
 initialises the semaphore; another rank's first arrival waits (yielding the
-CPU) until it has, and fails after :data:`READY_TIMEOUT` seconds.
+CPU) until it has, and fails after :data:`READY_TIMEOUT` seconds. A rank
+that dies while it holds the lock (a few instructions of an arrival) leaves
+the others waiting for it: the central layout is there to compare; the
+padded one has no lock.
 """
 
 from __future__ import annotations
