@@ -8,6 +8,7 @@ Examples:
     macroflow bench peers --quick             # macroflow next to Ray, Dask, executors, mpi4py
     macroflow bench nexus                     # Nexus's Figure 3: round trip by message size
     macroflow bench service                   # serving while a method computes
+    macroflow bench tulip --quick             # Tulip's figures: get, remote actions, barriers
 """
 
 from __future__ import annotations
@@ -390,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="versions and transports present")
     i.set_defaults(fn=cmd_info)
     b = sub.add_parser("bench", help="run the benchmarks")
-    b.add_argument("suite", nargs="?", default="micro", help="micro (default), peers, nexus, baselines or service")
+    b.add_argument("suite", nargs="?", default="micro", help="micro (default), peers, nexus, baselines, service or tulip")
     b.add_argument("--json", default=None, help="also write every figure to this file")
     b.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     b.add_argument("--peers", default=None, metavar="LIST",

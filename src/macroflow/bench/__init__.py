@@ -6,6 +6,8 @@
   nexus      Nexus's Figure 3: RSR round trip against message size, inline and new
              thread, next to hand-coded sockets and mpi4py, per transport
   service    how fast a context serves while a method computes, and what that costs it
+  tulip      Tulip's figures: get against two-sided and plain copies, remote action
+             ping-pong in a barrier, barriers against MPI_Barrier, ShmBarrier layouts
 
 ``macroflow bench SUITE [--quick] [--json FILE]`` runs :func:`main`.
 """
@@ -16,7 +18,7 @@ import os
 import sys
 from typing import Optional
 
-SUITES = ("micro", "peers", "nexus", "baselines", "service")
+SUITES = ("micro", "peers", "nexus", "baselines", "service", "tulip")
 
 
 def json_problem(path: str) -> Optional[str]:
@@ -89,8 +91,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
         suite: "micro" (Mentat's tables, METG, bars), "peers" (macroflow next to
             Ray, Dask, ProcessPoolExecutor and mpi4py), "nexus" (Nexus's Figure 3:
             round trip against message size per transport), "baselines"
-            (hand-coded only) or "service" (service while a method computes).
-        json_path: also write every figure of the micro, peers, nexus or service suite to this
+            (hand-coded only), "service" (service while a method computes) or
+            "tulip" (Tulip's figures: get, remote actions, barriers).
+        json_path: also write every figure of the micro, peers, nexus, service or tulip suite to this
             file; one that cannot be written is refused (2) before anything runs.
         quick: far fewer iterations (a smoke run of well under a minute).
         peers: for the peers suite, the peers to try ("ray,dask,mpi4py"; default all).
@@ -124,6 +127,9 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     if suite == "service":
         from . import service
         return service.main(json_path=json_path, quick=quick)
+    if suite == "tulip":
+        from . import tulip
+        return tulip.main(json_path=json_path, quick=quick)
     if suite == "baselines":
         from . import baselines
         baselines.main()
