@@ -468,3 +468,37 @@ def test_a_poller_is_called_at_each_step_until_it_returns_true():
         for _ in range(5):
             eng.step(0)
         assert len(calls) == 3 and eng.pollers == []
+
+
+def nobody_passes_early(rounds):
+    import random
+    from macroflow.core.context import current_engine
+    from macroflow.spmd.model import model_of
+    mine = np.zeros(1, dtype=np.int64)
+    ptrs = mf.allgather(mf.register(mine))
+    rng = random.Random(mf.rank())
+    early = 0
+    for i in range(1, rounds + 1):
+        for _ in range(rng.randrange(0, 2000)):  # arrive at staggered times
+            pass
+        mine[0] = i
+        mf.barrier()
+        seen = [int(mf.get(p).wait()[0]) for p in ptrs]
+        early += sum(1 for s in seen if s < i)
+    mf.barrier()
+    from macroflow.spmd.shmbarrier import ShmBarrier
+    run = model_of(current_engine()).current_run("test")
+    return early, isinstance(run.shm, ShmBarrier)
+
+
+def test_no_context_leaves_a_barrier_before_every_context_has_entered_it(transport):
+    res = mf.spmd(nobody_passes_early, 200, n=3, transport=transport)
+    assert [r[0] for r in res] == [0, 0, 0]
+    # on one host the barrier uses counters in shared memory; under MPI, MPI's own
+    assert [r[1] for r in res] == [transport != "mpi"] * 3
+
+
+def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
+    res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")
+    assert res == [(0, False)] * 2

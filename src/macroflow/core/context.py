@@ -629,10 +629,12 @@ class Engine:
             self.transport.poll(timeout)
         self.process()
 
-    def add_poller(self, fn: Callable[[], bool]) -> None:
-        """Call ``fn()`` at every step until it returns True (see ``pollers``)."""
+    def add_poller(self, fn: Callable[[], bool], spin: float = POLLER_SPIN) -> None:
+        """Call ``fn()`` at every step until it returns True (see ``pollers``);
+        for ``spin`` seconds from now the engine does not sleep at all."""
         self.pollers.append(fn)
-        self.poller_spin_until = time.monotonic() + POLLER_SPIN
+        if spin > 0:
+            self.poller_spin_until = max(self.poller_spin_until, time.monotonic() + spin)
 
     def next_due(self) -> Optional[float]:
         """When (time.monotonic) the engine next has something to do unasked:

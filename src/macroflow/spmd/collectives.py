@@ -19,6 +19,7 @@ how far it got and names those that did not arrive.
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -26,9 +27,11 @@ import numpy as np
 from ..core import errors
 from ..core.context import current_engine
 from ..core.future import Future
-from .model import COLL, STATUS, Run, SpmdModel, engine_side, local_future, model_of
+from .model import _UNKNOWN, COLL, STATUS, Run, SpmdModel, engine_side, local_future, model_of
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
+POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sleep at first
+CORES = os.cpu_count() or 1
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -129,6 +132,15 @@ class Collective:
         if natives is not None and natives.can(self.kind, self.value, self.opname):
             self.start_native(natives)
             return
+        if self.kind == "barrier":
+            if run.shm is _UNKNOWN:
+                # the run's first barrier goes by messages and finds out
+                # whether every context can use the counters in shared memory
+                self.value = 1 if run.counters is not None else 0
+                self.op = _min
+            elif run.shm is not None:
+                self.start_shared(run.shm)
+                return
         for src, msg in run.early.pop(self.seq, ()):
             self.message(src, msg)
             if self.future._state:
@@ -152,7 +164,23 @@ class Collective:
             return True
 
         if not poll():
-            self.model.eng.add_poller(poll)
+            self.model.eng.add_poller(poll, spin=_spin(self.run))
+
+    def start_shared(self, shm: Any) -> None:
+        """A barrier in shared memory (every context of the run is on this
+        host): arrive with a store, then poll the others' counters."""
+        epoch = shm.arrive()
+
+        def poll() -> bool:
+            if self.future._state:  # failed meanwhile (a context ended without joining)
+                return True
+            if not shm.complete(epoch):
+                return False
+            self.complete(None)
+            return True
+
+        if not poll():
+            self.model.eng.add_poller(poll, spin=_spin(self.run))
 
     def message(self, src: int, msg: tuple) -> None:
         _, _, seq, kind, phase, payload = msg
@@ -201,7 +229,7 @@ class Collective:
                 self.send(self.root, "r", acc)
                 self.complete(None)
         else:
-            self.down(None if self.kind == "barrier" else acc)
+            self.down(None if self.op is _nothing else acc)
 
     def down(self, value: Any) -> None:
         for c in self.down_children():
@@ -215,12 +243,31 @@ class Collective:
             pass  # the peer's loss is reported to every collective by the model
 
     def complete(self, value: Any) -> None:
-        self.run.colls.pop(self.seq, None)
+        run = self.run
+        run.colls.pop(self.seq, None)
+        if self.kind == "barrier":
+            if run.shm is _UNKNOWN and self.op is _min:
+                run.shm = _shared(run) if value == 1 else None
+            value = None
         self.future._set(True, value)
 
     def fail(self, exc: BaseException) -> None:
         self.run.colls.pop(self.seq, None)
         self.future._set(False, exc)
+
+
+def _shared(run: Run) -> Any:
+    from .shmbarrier import ShmBarrier
+    try:
+        return ShmBarrier(run.counters, run.size, run.rank)
+    except (OSError, RuntimeError, ValueError):
+        return None  # every context agreed: it cannot fail here but by a bug
+
+
+def _spin(run: Run) -> float:
+    """How long a waiting context polls without sleeping: never when the run
+    has more contexts than this host has cores (the others need the CPU)."""
+    return POLL_SPIN if run.size <= CORES else 0.0
 
 
 def _never_joins(c: Collective, rank: int, entered: int) -> errors.CollectiveError:

@@ -95,7 +95,7 @@ class Handle:
 
     __slots__ = ("_eng", "_f", "_what")
 
-    def __init__(self, eng: Engine, f: Future, what: str):
+    def __init__(self, eng: Engine, f: Future, what: Any):
         self._eng = eng
         self._f = f
         self._what = what
@@ -152,7 +152,20 @@ class Handle:
 
     def __repr__(self) -> str:
         state = "done" if self._f._state == FINISHED else "pending"
-        return f"<Handle {self._what} {state}>"
+        return f"<Handle {describe(self._what)} {state}>"
+
+
+def describe(what: Any) -> str:
+    """What a handle or request is, in words (kept as a tuple until asked:
+    formatting it for every get would cost more than the get)."""
+    if isinstance(what, tuple):
+        kind, target, where = what
+        if kind == "remote action":
+            name = target if isinstance(target, str) else getattr(target, "__qualname__",
+                                                                  "handler")
+            return f"remote action {name} on context {where}"
+        return f"{kind} of {target!r}"
+    return str(what)
 
 
 def progress(eng: Engine) -> None:
@@ -168,7 +181,7 @@ class Run:
     """One SPMD run as one context sees it."""
 
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
-                 "failed", "status", "status_wait", "call_fid", "natives")
+                 "failed", "status", "status_wait", "call_fid", "natives", "counters", "shm")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
         self.ident = ident
@@ -184,6 +197,8 @@ class Run:
         self.status_wait: Optional[Future] = None
         self.call_fid: Any = None
         self.natives: Any = _UNKNOWN  # the transport's own collectives for the run, or None
+        self.counters: Any = None  # this context's view of the run's barrier counters
+        self.shm: Any = _UNKNOWN  # the ShmBarrier every context can use, or None
 
 
 class SpmdCalls(CallKind):
@@ -256,7 +271,7 @@ class SpmdModel(Model):
         self.kinds = {KIND: SpmdCalls(eng, self)}
         self.regions: Dict[Any, Any] = {}  # ident -> (array, its bytes, writable)
         self.revoked: set = set()  # idents of memory other contexts unregistered
-        self.requests: Dict[int, Tuple[int, Future, Any, str]] = {}  # req -> (peer, f, out, what)
+        self.requests: Dict[int, Tuple[int, Future, Any, Any]] = {}  # req -> (peer, f, out, what)
         self.req_seq = itertools.count()
         self.runs: "OrderedDict[Any, Run]" = OrderedDict()
         self.early: "OrderedDict[Any, List[Tuple[int, tuple]]]" = OrderedDict()
@@ -288,11 +303,11 @@ class SpmdModel(Model):
 
     # ------------------------------------------------------------------ runs
     def run_main(self, run_id: Any, size: int, timeout: Optional[float], fn: Callable[..., Any],
-                 args: tuple) -> Any:
+                 args: tuple, counters: Any = None) -> Any:
         """A run's function, in this context (user code: the call kind runs it)."""
         eng = self.eng
         call = getcurrent().call
-        run = engine_side(eng, self._start, run_id, size, timeout, call.fid)
+        run = engine_side(eng, self._start, run_id, size, timeout, call.fid, counters)
         failure = None
         try:
             return fn(*args)
@@ -302,9 +317,17 @@ class SpmdModel(Model):
         finally:
             engine_side(eng, self._end, run, failure)
 
-    def _start(self, run_id: Any, size: int, timeout: Optional[float], fid: Any) -> Run:
+    def _start(self, run_id: Any, size: int, timeout: Optional[float], fid: Any,
+               counters: Any = None) -> Run:
         run = Run(run_id, size, self.eng.id, timeout)
         run.call_fid = fid
+        if counters is not None and self.natives(run) is None \
+                and os.environ.get("MACROFLOW_SHM_BARRIER", "1") != "0":
+            from . import memory
+            try:
+                run.counters = memory.access().view(counters)
+            except (OSError, ValueError):
+                run.counters = None
         self.runs[run_id] = run
         while len(self.runs) > _RUNS_KEPT:
             old_id, old = self.runs.popitem(last=False)
@@ -382,7 +405,7 @@ class SpmdModel(Model):
             from .collectives import on_message
             on_message(self, run, src, msg)
 
-    def request(self, dest: int, f: Future, out: Any, what: str, op: int, *fields: Any) -> None:
+    def request(self, dest: int, f: Future, out: Any, what: Any, op: int, *fields: Any) -> None:
         """Send a GET or PUT to the owner; ``f`` completes with its MEMREPLY."""
         if dest in self.eng.lost:
             f._set(False, errors.ContextLost(dest, self.eng.lost[dest]))

@@ -320,7 +320,7 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
     is ``value``."""
     model = model_of(eng)
     f = local_future(eng)
-    what = f"{who} of {gp!r}"
+    what = (who, gp, None)
     n = gp.length * gp.dtype.itemsize
     off = gp.offset * gp.dtype.itemsize
     getting = who == "get"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
+import numpy as np
+
 from ..core import errors
 from ..core.context import current_engine
-from ..core.future import running_computation
+from ..core.future import CallSite, running_computation
+from . import memory, shmbarrier
 from .model import HANDLERS, KIND, Handle, env_timeout, model_of
 
 
@@ -69,7 +72,13 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
                          f"add some (mf.add_contexts) or ask for fewer")
     model = model_of(eng)
     run_id = (eng.id, next(model.run_seq))
-    futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args), {}, r)
+    # counters in shared memory for the run's barriers, used if every context
+    # of the run can map them (the run's first barrier finds out)
+    counters = region = None
+    if size > 1 and shmbarrier.problem() is None:
+        counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), np.uint8)
+        region = memory.describe(counters)
+    futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region), {}, r)
                for r in range(size)]
     results: List[Any] = []
     failures = []
@@ -79,6 +88,7 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
         except Exception as e:
             failures.append((r, e))
             results.append(None)
+    del counters  # the contexts that mapped them keep their mapping
     if failures:
         first = next((e for _, e in failures if not isinstance(e, errors.CollectiveError)),
                      failures[0][1])
@@ -109,6 +119,9 @@ def size() -> int:
     eng = current_engine()
     run = model_of(eng).any_run()
     return eng.size if run is None else run.size
+
+
+_ACTION_SITE = CallSite("remote action")
 
 
 def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
@@ -150,10 +163,11 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
     if not (callable(handler) or isinstance(handler, str)):
         raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
                         f"registered handler; got {type(handler).__name__}")
-    f = eng.issue(KIND, None, "action", (handler, args, {}), {}, rank)
-    eng.request_value(f)  # the acknowledgement comes back unasked
-    name = handler if isinstance(handler, str) else getattr(handler, "__qualname__", "handler")
-    return Handle(eng, f, f"remote action {name} on context {rank}")
+    # a site whose results are always wanted: the acknowledgement (the
+    # handler's value) comes back unasked, with no request for it
+    _ACTION_SITE.strict = 8
+    f = eng.issue(KIND, None, "action", (handler, args, {}), {}, rank, site=_ACTION_SITE)
+    return Handle(eng, f, ("remote action", handler, rank))
 
 
 def register_handler(name: str, fn: Callable[..., Any]) -> None:
