@@ -61,7 +61,7 @@ def test_the_object_model_registers_itself():
 def test_the_spmd_model_takes_opcodes_above_the_cores():
     from macroflow.spmd import model as spmd
     ours = [spmd.GET, spmd.PUT, spmd.MEMREPLY, spmd.COLL, spmd.ENDED, spmd.STATUS,
-            spmd.STATUS_REPLY, spmd.REVOKED]
+            spmd.STATUS_REPLY, spmd.REVOKED, spmd.WAKE]
     assert all(op >= 17 and op in core.HANDLERS for op in ours)
     # the memory it serves while a method computes needs no user code
     assert sorted(op for op in ours if op in core.SERVED_WHILE_BUSY) == sorted(

@@ -239,7 +239,7 @@ def test_the_rank_that_completes_a_barrier_finds_every_sleeper_to_wake(layout):
     buf = make(n, layout)
     pipes = [os.pipe() for _ in range(n)]
     listed = shared_zeros((rounds, n), np.int64)
-    woken = shared_zeros(n, np.int64)
+    blocked = shared_zeros((rounds, n), np.int64)
 
     def body(rank):
         b = ShmBarrier(buf, n, rank, layout)
@@ -249,16 +249,15 @@ def test_the_rank_that_completes_a_barrier_finds_every_sleeper_to_wake(layout):
                     os.sched_yield()
                 e = b.arrive()
                 assert b.complete(e)
-                who = b.sleepers(e)
-                listed[k - 1, :len(who)] = who
-                for r in who:
+                for r in b.sleepers(e):
+                    listed[k - 1, r] = 1
                     os.write(pipes[r][1], b"w")
             else:
                 e = b.arrive()
                 b.sleep_flag(e)
                 if not b.complete(e):
+                    blocked[k - 1, rank] = 1
                     os.read(pipes[rank][0], 1)  # really asleep until woken
-                    woken[rank] += 1
                 assert b.complete(e)
 
     try:
@@ -267,8 +266,11 @@ def test_the_rank_that_completes_a_barrier_finds_every_sleeper_to_wake(layout):
         for r, w in pipes:
             os.close(r)
             os.close(w)
-    assert listed.tolist() == [[1, 2, 0]] * rounds
-    assert woken.tolist() == [0] + [rounds] * (n - 1)
+    # every rank that slept was found and woken (one that saw the barrier
+    # complete after flagging did not sleep, and may have flagged the next one
+    # before rank 0 looked: it need not be listed)
+    assert (listed.T[1:] >= blocked.T[1:]).all()
+    assert blocked.sum() > 0  # the hand-shake was exercised
 
 
 def test_data_written_before_arriving_is_seen_after_the_barrier():

@@ -413,7 +413,10 @@ def test_mappings_are_bounded():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("shared", [True, False], ids=["shm", "process_vm"])
 @pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
-def test_dead_owner_is_false(shared, reaped):
+def test_dead_owner_is_false(shared, reaped, monkeypatch):
+    # the owner is looked at every _Watch.EVERY seconds (a system call per get
+    # would cost a small get a fifth of its time): here, at every read
+    monkeypatch.setattr(memory._Watch, "EVERY", 0.0)
     acc = Access()
     owner = Owner(lambda: {"a": (shared_full if shared else np.full)(32, 5, np.uint8)})
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 import os
+import time
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from ..core import errors
 from ..core.context import current_engine
 from ..core.future import Future
-from .model import _UNKNOWN, COLL, STATUS, Run, SpmdModel, engine_side, local_future, model_of
+from .model import _UNKNOWN, COLL, STATUS, WAKE, Run, SpmdModel, engine_side, local_future, model_of
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
 POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sleep at first
@@ -93,7 +94,7 @@ class Collective:
     """One collective of a run, in one context."""
 
     __slots__ = ("model", "run", "seq", "kind", "name", "root", "op", "opname", "value", "ups",
-                 "sent_up", "future")
+                 "sent_up", "future", "epoch")
 
     def __init__(self, model: SpmdModel, run: Run, kind: str, name: str, value: Any,
                  op: Callable[[Any, Any], Any], root: int, opname: Optional[str] = None):
@@ -109,6 +110,7 @@ class Collective:
         self.ups: dict = {}
         self.sent_up = False
         self.future = local_future(model.eng)
+        self.epoch = 0  # a barrier in shared memory: its epoch, while it sleeps
 
     # -- the tree
     def up_children(self) -> List[int]:
@@ -168,19 +170,43 @@ class Collective:
 
     def start_shared(self, shm: Any) -> None:
         """A barrier in shared memory (every context of the run is on this
-        host): arrive with a store, then poll the others' counters."""
+        host): arrive with a store, poll the others' counters for a while
+        (never when the run has more contexts than cores), then sleep until
+        the context that completes the barrier sends a WAKE."""
         epoch = shm.arrive()
+        if shm.complete(epoch):  # the last to arrive: wake those that sleep
+            for r in shm.sleepers(epoch):
+                if r != self.run.rank:
+                    self.send_wake(r)
+            self.complete(None)
+            return
+        self.epoch = epoch
+        spin = _spin(self.run)
+        until = time.monotonic() + spin
 
         def poll() -> bool:
             if self.future._state:  # failed meanwhile (a context ended without joining)
                 return True
-            if not shm.complete(epoch):
+            if shm.complete(epoch):
+                self.complete(None)
+                return True
+            if time.monotonic() < until:
                 return False
-            self.complete(None)
-            return True
+            shm.sleep_flag(epoch)  # then look once more: one of us sees the other
+            if shm.complete(epoch):
+                self.complete(None)
+            return True  # a WAKE completes it (see on_wake)
 
-        if not poll():
-            self.model.eng.add_poller(poll, spin=_spin(self.run))
+        if spin > 0:
+            self.model.eng.add_poller(poll, spin=spin)
+        else:
+            poll()
+
+    def send_wake(self, dest: int) -> None:
+        try:
+            self.model.send(dest, (WAKE, self.run.ident, self.seq))
+        except ConnectionError:
+            pass
 
     def message(self, src: int, msg: tuple) -> None:
         _, _, seq, kind, phase, payload = msg
@@ -284,6 +310,14 @@ def on_message(model: SpmdModel, run: Run, src: int, msg: tuple) -> None:
         c.message(src, msg)
     elif msg[2] >= run.entered:
         run.early.setdefault(msg[2], []).append((src, msg))
+
+
+def on_wake(model: SpmdModel, run: Run, src: int, msg: tuple) -> None:
+    """Barrier ``msg[2]`` of ``run``, in shared memory, is complete (the
+    context that completed it saw this one sleep)."""
+    c = run.colls.get(msg[2])
+    if c is not None and c.epoch and run.shm and run.shm.complete(c.epoch):
+        c.complete(None)
 
 
 def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str]) -> None:

@@ -23,6 +23,8 @@ STATUS        (op, run, asker): how far are you? (a timed-out collective
 STATUS_REPLY  (op, run, rank, entered, in what collective)
 REVOKED       (op, ident): the sender unregistered the memory ``ident``; the
               receiver stops copying it directly (served while computing)
+WAKE          (op, run, seq): barrier ``seq`` of the run, in shared memory, is
+              complete, and the receiver had said it would sleep
 ============  ===============================================================
 
 Collectives go up and down a binomial tree rooted at context 0 (the
@@ -49,7 +51,7 @@ from ..core.future import FINISHED, Future
 from ..core.threads import getcurrent
 
 KIND = "spmd"
-GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED = range(20, 28)
+GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE = range(20, 29)
 _UNKNOWN = object()
 _RUNS_KEPT = 8  # runs whose messages are still routed after their function ended here
 _EARLY_RUNS_MAX = 64  # runs not started here whose early messages are kept
@@ -74,6 +76,25 @@ def local_future(eng: Engine) -> Future:
     return f
 
 
+class Done:
+    """What a handle holds in place of a future when its operation completed
+    at the call (a get or put done by a direct copy): nothing to wait for.
+
+    Example:
+        >>> Done(5).result(), Done(5)._state == FINISHED
+        (5, True)
+    """
+
+    __slots__ = ("_value",)
+    _state = FINISHED
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._value
+
+
 class Handle:
     """A non-blocking operation in progress (Tulip's service handle).
 
@@ -95,7 +116,7 @@ class Handle:
 
     __slots__ = ("_eng", "_f", "_what")
 
-    def __init__(self, eng: Engine, f: Future, what: Any):
+    def __init__(self, eng: Engine, f: Any, what: Any):
         self._eng = eng
         self._f = f
         self._what = what
@@ -388,7 +409,7 @@ class SpmdModel(Model):
         self.eng.send_frame(dest, [data, *bufs] if bufs else [data])
 
     def dispatch(self, src: int, msg: tuple) -> None:
-        """A COLL or ENDED message of a run: to the run, or kept until it starts here."""
+        """A COLL, ENDED or WAKE message of a run: to the run, or kept until it starts here."""
         run = self.runs.get(msg[1])
         if run is None:
             early = self.early.setdefault(msg[1], [])
@@ -396,7 +417,10 @@ class SpmdModel(Model):
             while len(self.early) > _EARLY_RUNS_MAX:
                 self.early.popitem(last=False)
             return
-        if msg[0] == ENDED:
+        if msg[0] == WAKE:
+            from .collectives import on_wake
+            on_wake(self, run, src, msg)
+        elif msg[0] == ENDED:
             from .collectives import on_ended
             on_ended(self, run, msg[2], msg[3], msg[4])
             if msg[5] is not None:
@@ -517,6 +541,7 @@ register(REVOKED, _serve_revoked, served_while_busy=True)
 register(PUT, _serve_put, served_while_busy=True)
 register(MEMREPLY, _serve_memreply)
 register(COLL, _serve_run_message)
+register(WAKE, _serve_run_message)
 register(ENDED, _serve_run_message)
 register(STATUS, _serve_status, served_while_busy=True)
 register(STATUS_REPLY, _serve_status_reply)

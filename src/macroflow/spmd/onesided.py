@@ -33,7 +33,7 @@ from ..core.future import current_engine_of
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from . import memory
-from .model import GET, PUT, REVOKED, Handle, engine_side, local_future, model_of
+from .model import GET, PUT, REVOKED, Done, Handle, engine_side, local_future, model_of
 
 
 class MemoryPointer(GlobalPointer):
@@ -228,10 +228,16 @@ def _forget(eng: Engine, model: Any, ident: Any) -> None:
 
 
 def _engine(gp: Any, who: str) -> Engine:
-    if not isinstance(gp, MemoryPointer):
+    if type(gp) is not MemoryPointer and not isinstance(gp, MemoryPointer):
         raise TypeError(f"mf.{who}(): expected a MemoryPointer (from mf.register); "
                         f"got {type(gp).__name__}")
-    return current_engine_of(gp.computation, "memory pointer", gp)
+    try:
+        eng = current_engine()
+    except RuntimeError:
+        eng = None
+    if eng is not None and eng.computation == gp.computation and not eng.closed:
+        return eng
+    return current_engine_of(gp.computation, "memory pointer", gp)  # says what is wrong
 
 
 def get(gp: MemoryPointer, out: Optional[np.ndarray] = None) -> Handle:
@@ -319,10 +325,9 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
     get, from it for a put) by the fastest way there is; the handle's value
     is ``value``."""
     model = model_of(eng)
-    f = local_future(eng)
-    what = (who, gp, None)
-    n = gp.length * gp.dtype.itemsize
-    off = gp.offset * gp.dtype.itemsize
+    itemsize = gp.dtype.itemsize
+    n = gp.length * itemsize
+    off = gp.offset * itemsize
     getting = who == "get"
     if gp.context == eng.id:
         entry = model.regions.get(gp.ident)
@@ -334,16 +339,22 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
             raise ValueError(f"mf.{who}(): the registered buffer is read-only")
         else:
             entry[1][off:off + n] = mine
-        f._set(True, value)
-    elif gp.ident in model.revoked:
+        return Handle(eng, Done(value), (who, gp, None))
+    if gp.ident in model.revoked:
         raise ValueError(f"mf.{who}(): {gp!r} was unregistered by context {gp.context}")
-    elif n == 0:
-        f._set(True, value)
-    elif (memory.access().read if getting else memory.access().write)(
-            gp.region, off, memoryview(mine)):
-        model.counts["spmd_gets_direct" if getting else "spmd_puts_direct"] += 1
-        f._set(True, value)
-    elif getting:
+    if n == 0:
+        return Handle(eng, Done(value), (who, gp, None))
+    acc = memory.access()
+    if getting:
+        if acc.read(gp.region, off, memoryview(mine)):
+            model.counts["spmd_gets_direct"] += 1
+            return Handle(eng, Done(value), (who, gp, None))
+    elif acc.write(gp.region, off, memoryview(mine)):
+        model.counts["spmd_puts_direct"] += 1
+        return Handle(eng, Done(value), (who, gp, None))
+    f = local_future(eng)
+    what = (who, gp, None)
+    if getting:
         engine_side(eng, model.request, gp.context, f, (value, mine), what, GET, gp.ident, off, n)
     else:
         engine_side(eng, model.request, gp.context, f, None, what, PUT, gp.ident, off, mine)
@@ -353,7 +364,7 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
 def _check_array(a: np.ndarray, gp: MemoryPointer, who: str, name: str) -> None:
     if not isinstance(a, np.ndarray):
         raise TypeError(f"mf.{who}(): {name} must be a numpy array; got {type(a).__name__}")
-    if a.dtype != gp.dtype:
+    if a.dtype is not gp.dtype and a.dtype != gp.dtype:
         raise TypeError(f"mf.{who}(): {name} has dtype {a.dtype}, the pointer's memory holds "
                         f"{gp.dtype} (no conversion is made: convert it first)")
     if a.size != gp.length:
