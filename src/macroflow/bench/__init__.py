@@ -14,9 +14,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 SUITES = ("micro", "peers", "nexus", "baselines", "service", "tulip")
 
@@ -137,3 +140,60 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     print(f"macroflow bench: unknown suite {suite!r}; choose one of {', '.join(SUITES)}",
           file=sys.stderr)
     return 2
+
+
+def spawn_worker(module: str, args: List[str], timeout_s: float, tag: str,
+                 mpiexec: Optional[str] = None, ranks: int = 2) -> Dict[str, Any]:
+    """Run ``python -m module *args`` in a fresh interpreter (under ``mpiexec
+    -n ranks`` if given) and return the JSON it printed after ``tag``, or
+    ``{"error": why}``. The worker imports this very macroflow, whatever is
+    installed; whatever it leaves in its session is killed with it.
+
+    Example:
+        >>> spawn_worker("json.tool", ["/no/such/file"], 30, "RESULT ")["error"][:26]
+        'worker exited with code 2:'
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [src_dir()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", module, *args]
+    if mpiexec is not None:
+        # python -m mpi4py: an exception on one rank aborts them all instead of leaving one blocked
+        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py"] + cmd[1:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        proc.communicate()
+        return {"error": f"timed out after {timeout_s:g} s"}
+    finally:
+        kill_group(proc.pid)  # whatever the worker left in its session goes with it
+    for line in reversed(out.splitlines()):
+        if line.startswith(tag):
+            return json.loads(line[len(tag):])
+    tail = " | ".join((err.strip().splitlines() or ["no output"])[-3:])
+    return {"error": f"worker exited with code {proc.returncode}: {tail}"}
+
+
+def src_dir() -> str:
+    """The directory that holds this macroflow package (for a worker's PYTHONPATH).
+
+    Example:
+        >>> os.path.isdir(os.path.join(src_dir(), "macroflow"))
+        True
+    """
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kill_group(pgid: int) -> None:
+    """Kill process group ``pgid``, if it is still there.
+
+    Example:
+        >>> kill_group(2 ** 22 + 12345)   # no such group: nothing happens
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

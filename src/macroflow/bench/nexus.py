@@ -54,7 +54,6 @@ import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -636,29 +635,9 @@ def _mpi_worker(cfg: Config, sizes: Sequence[int] = SIZES) -> Optional[Dict[str,
 
 def _spawn(args: List[str], cfg: Config, mpiexec: Optional[str] = None) -> Dict[str, Any]:
     """Run a worker in a fresh interpreter (under ``mpiexec -n 2`` if given); its result."""
-    from macroflow.bench.peers import _kill_group, _src_dir
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_src_dir()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "macroflow.bench.nexus", *args, "--config", json.dumps(cfg.as_dict())]
-    if mpiexec is not None:
-        # python -m mpi4py: an exception on one rank aborts both instead of leaving one blocked
-        cmd = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py"] + cmd[1:]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=cfg.timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.communicate()
-        return {"error": f"timed out after {cfg.timeout_s:g} s"}
-    finally:
-        _kill_group(proc.pid)  # whatever the worker left in its session goes with it
-    for line in reversed(out.splitlines()):
-        if line.startswith(_RESULT_TAG):
-            return json.loads(line[len(_RESULT_TAG):])
-    tail = " | ".join((err.strip().splitlines() or ["no output"])[-3:])
-    return {"error": f"worker exited with code {proc.returncode}: {tail}"}
+    from macroflow.bench import spawn_worker
+    return spawn_worker("macroflow.bench.nexus", [*args, "--config", json.dumps(cfg.as_dict())],
+                        cfg.timeout_s, _RESULT_TAG, mpiexec)
 
 
 def _ratios(medians: Dict[str, List[List[float]]], a: str, b: str) -> List[Optional[float]]:

@@ -53,9 +53,7 @@ import multiprocessing
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -63,7 +61,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 import macroflow as mf
-from macroflow.bench import progress_printer, write_json
+from macroflow.bench import progress_printer, spawn_worker, write_json
 from macroflow.bench.micro import _fmt as _fmt_number
 
 PEERS = ("ray", "dask", "mpi4py")
@@ -567,46 +565,16 @@ def _mpi_worker(cfg: Config) -> Optional[Dict[str, Any]]:
 # --------------------------------------------------------------------------- the suite (parent)
 
 
-def _src_dir() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(mf.__file__)))
-
-
 def _spawn(system: str, cfg: Config) -> Dict[str, Any]:
     """Run one system's worker in a fresh interpreter; its figures, or an "error"."""
-    env = dict(os.environ)
-    # The worker must import this very macroflow, whatever is installed.
-    env["PYTHONPATH"] = os.pathsep.join([_src_dir()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    worker = [sys.executable, "-m", "macroflow.bench.peers", "--worker", system,
-              "--config", json.dumps(cfg.as_dict())]
+    mpiexec = None
     if system == "mpi4py":
         mpiexec = find_mpiexec()
         if mpiexec is None:
             return {"error": "mpiexec not found"}
-        # python -m mpi4py: an exception on one rank aborts both instead of leaving one blocked
-        worker = [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py"] + worker[1:]
-    proc = subprocess.Popen(worker, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=cfg.timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.communicate()
-        return {"error": f"timed out after {cfg.timeout_s:g} s"}
-    finally:
-        # Whatever the worker started and left behind in its session goes with it.
-        _kill_group(proc.pid)
-    for line in reversed(out.splitlines()):
-        if line.startswith(_RESULT_TAG):
-            return json.loads(line[len(_RESULT_TAG):])
-    tail = " | ".join((err.strip().splitlines() or ["no output"])[-3:])
-    return {"error": f"worker exited with code {proc.returncode}: {tail}"}
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return spawn_worker("macroflow.bench.peers",
+                        ["--worker", system, "--config", json.dumps(cfg.as_dict())],
+                        cfg.timeout_s, _RESULT_TAG, mpiexec)
 
 
 def run(quick: bool = False, peers: Optional[Iterable[str]] = None,

@@ -49,7 +49,6 @@ import random
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -794,30 +793,9 @@ def _shm_worker(cfg: Config, counts: Sequence[int]) -> Dict[str, Any]:
 def _spawn(args: List[str], cfg: Config, mpiexec: Optional[str] = None, ranks: int = 2
            ) -> Dict[str, Any]:
     """Run a worker in a fresh interpreter (under ``mpiexec -n ranks`` if given); its result."""
-    from macroflow.bench.peers import _kill_group, _src_dir
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_src_dir()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "macroflow.bench.tulip", *args, "--config",
-           json.dumps(cfg.as_dict())]
-    if mpiexec is not None:
-        # python -m mpi4py: an exception on one rank aborts them all instead of leaving one blocked
-        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py"] + cmd[1:]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=cfg.timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        proc.communicate()
-        return {"error": f"timed out after {cfg.timeout_s:g} s"}
-    finally:
-        _kill_group(proc.pid)  # whatever the worker left in its session goes with it
-    for line in reversed(out.splitlines()):
-        if line.startswith(_RESULT_TAG):
-            return json.loads(line[len(_RESULT_TAG):])
-    tail = " | ".join((err.strip().splitlines() or ["no output"])[-3:])
-    return {"error": f"worker exited with code {proc.returncode}: {tail}"}
+    from macroflow.bench import spawn_worker
+    return spawn_worker("macroflow.bench.tulip", [*args, "--config", json.dumps(cfg.as_dict())],
+                        cfg.timeout_s, _RESULT_TAG, mpiexec, ranks)
 
 
 def _status(res: Dict[str, Any]) -> Tuple[str, str]:
