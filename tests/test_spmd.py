@@ -303,6 +303,7 @@ def unregistered():
     mine = np.zeros(3)
     gp = mf.register(mine)
     ptrs = mf.allgather(gp)
+    mf.barrier()  # on one host, the barriers from here on use shared memory: no message
     if mf.rank() == 0:
         mf.unregister(gp)
     mf.barrier()
@@ -502,3 +503,39 @@ def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
     res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")
     assert res == [(0, False)] * 2
+
+
+def bcast_against_reduce():
+    return mf.broadcast(5) if mf.rank() == 0 else mf.reduce(1)
+
+
+def each_its_own_root():
+    return mf.broadcast(mf.rank(), root=mf.rank())
+
+
+def reduce_each_root():
+    return mf.reduce(1, root=mf.rank())
+
+
+def test_collectives_that_differ_but_complete_are_reported_when_the_run_ends(transport):
+    # their messages crossed without meeting: every context finished, with wrong values
+    for fn in (bcast_against_reduce, each_its_own_root):
+        with pytest.raises(mf.CollectiveError, match="called different collectives"):
+            mf.spmd(fn, n=2, transport=transport)
+    with pytest.raises(mf.CollectiveError, match="gave root=1 to collective #1"):
+        mf.spmd(reduce_each_root, n=2, transport=transport)
+
+
+def test_a_remote_put_into_read_only_memory_says_so():
+    def main():
+        ptrs = mf.allgather(mf.register(b"12345678"))  # bytes: read-only
+        err = None
+        if mf.rank() == 0:
+            try:
+                mf.put(ptrs[1], np.zeros(8, np.uint8)).wait()
+            except ValueError as e:
+                err = str(e)
+        mf.barrier()
+        return err
+
+    assert mf.spmd(main, n=2, transport="inproc")[0] == "mf.put(): the registered buffer is read-only"

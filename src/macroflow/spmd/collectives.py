@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import os
 import time
+import zlib
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -33,6 +34,7 @@ from .model import _UNKNOWN, COLL, STATUS, WAKE, Run, SpmdModel, engine_side, lo
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
 POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sleep at first
 CORES = os.cpu_count() or 1
+QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us each)
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -94,7 +96,7 @@ class Collective:
     """One collective of a run, in one context."""
 
     __slots__ = ("model", "run", "seq", "kind", "name", "root", "op", "opname", "value", "ups",
-                 "sent_up", "future", "epoch")
+                 "sent_up", "future", "epoch", "quick")
 
     def __init__(self, model: SpmdModel, run: Run, kind: str, name: str, value: Any,
                  op: Callable[[Any, Any], Any], root: int, opname: Optional[str] = None):
@@ -111,6 +113,9 @@ class Collective:
         self.sent_up = False
         self.future = local_future(model.eng)
         self.epoch = 0  # a barrier in shared memory: its epoch, while it sleeps
+        # what completes it without a message (an MPI request, counters in
+        # shared memory): the waiting thread tries it a few times before it parks
+        self.quick: Optional[Callable[[], Any]] = None
 
     # -- the tree
     def up_children(self) -> List[int]:
@@ -166,7 +171,10 @@ class Collective:
             return True
 
         if not poll():
-            self.model.eng.add_poller(poll, spin=_spin(self.run))
+            spin = _spin(self.run)
+            if spin > 0:
+                self.quick = poll
+            self.model.eng.add_poller(poll, spin=spin)
 
     def start_shared(self, shm: Any) -> None:
         """A barrier in shared memory (every context of the run is on this
@@ -198,6 +206,7 @@ class Collective:
             return True  # a WAKE completes it (see on_wake)
 
         if spin > 0:
+            self.quick = lambda: shm.complete(epoch) and not self.complete(None)
             self.model.eng.add_poller(poll, spin=spin)
         else:
             poll()
@@ -209,12 +218,18 @@ class Collective:
             pass
 
     def message(self, src: int, msg: tuple) -> None:
-        _, _, seq, kind, phase, payload = msg
+        _, _, seq, kind, phase, payload, root = msg
         if kind != self.kind:
             self.fail(errors.CollectiveError(
                 f"{self.name}: context {src} called mf.{kind}() as collective #{seq + 1} of "
                 f"the run, where context {self.run.rank} called {self.name}: every context "
                 f"must call the same collectives in the same order"))
+            return
+        if root != self.root:
+            self.fail(errors.CollectiveError(
+                f"{self.name}: context {src} gave root={root} to collective #{seq + 1} of the "
+                f"run, context {self.run.rank} root={self.root}: every context must give the "
+                f"same root"))
             return
         if phase == "u":
             self.ups[src] = payload
@@ -264,7 +279,8 @@ class Collective:
 
     def send(self, dest: int, phase: str, payload: Any) -> None:
         try:
-            self.model.send(dest, (COLL, self.run.ident, self.seq, self.kind, phase, payload))
+            self.model.send(dest, (COLL, self.run.ident, self.seq, self.kind, phase, payload,
+                                   self.root))
         except ConnectionError:
             pass  # the peer's loss is reported to every collective by the model
 
@@ -349,6 +365,8 @@ def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any
            root: int, opname: Optional[str]) -> Collective:
     c = Collective(model, run, kind, name, value, op, root, opname)
     run.entered += 1
+    # what this context called, in order: compared between contexts when the run ends
+    run.signature = zlib.crc32(f"{kind}@{root};".encode(), run.signature)
     run.colls[c.seq] = c
     model.counts["spmd_collectives"] += 1
     c.start()
@@ -361,8 +379,17 @@ def _wait(c: Collective, timeout: Optional[float]) -> Any:
     elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"{c.name}: timeout must be a number of seconds > 0, or None; "
                          f"got {timeout!r}")
+    f = c.future
+    quick = c.quick
+    if quick is not None and not f._state:
+        # the others are often a few microseconds away: parking this thread
+        # and stepping the engine costs more than looking a few times
+        for _ in range(QUICK_LOOKS):
+            quick()
+            if f._state:
+                break
     try:
-        return c.future.result(timeout)
+        return f.result(timeout)
     except errors.TimeoutError:
         if c.future.done():
             return c.future.result()

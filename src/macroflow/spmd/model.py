@@ -21,8 +21,9 @@ ENDED         (op, run, rank, entered, failure, natives): a context's function
 STATUS        (op, run, asker): how far are you? (a timed-out collective
               asks, to name who did not arrive); served while computing
 STATUS_REPLY  (op, run, rank, entered, in what collective)
-REVOKED       (op, ident): the sender unregistered the memory ``ident``; the
-              receiver stops copying it directly (served while computing)
+REVOKED       (op, request, ident): the sender unregistered the memory
+              ``ident``; the receiver stops copying it directly and answers
+              with MEMREPLY (served while computing)
 WAKE          (op, run, seq): barrier ``seq`` of the run, in shared memory, is
               complete, and the receiver had said it would sleep
 ============  ===============================================================
@@ -202,7 +203,8 @@ class Run:
     """One SPMD run as one context sees it."""
 
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
-                 "failed", "status", "status_wait", "call_fid", "natives", "counters", "shm")
+                 "failed", "status", "status_wait", "call_fid", "natives", "counters", "shm",
+                 "signature")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
         self.ident = ident
@@ -220,6 +222,7 @@ class Run:
         self.natives: Any = _UNKNOWN  # the transport's own collectives for the run, or None
         self.counters: Any = None  # this context's view of the run's barrier counters
         self.shm: Any = _UNKNOWN  # the ShmBarrier every context can use, or None
+        self.signature = 0  # a CRC of the collectives entered, kinds and roots, in order
 
 
 class SpmdCalls(CallKind):
@@ -331,7 +334,9 @@ class SpmdModel(Model):
         run = engine_side(eng, self._start, run_id, size, timeout, call.fid, counters)
         failure = None
         try:
-            return fn(*args)
+            value = fn(*args)
+            # with what it called, for mf.spmd to check that every context agreed
+            return value, run.entered, run.signature, run.failed is not None
         except BaseException as e:
             failure = f"{type(e).__name__}: {e}"
             raise
@@ -530,10 +535,12 @@ def _serve_status_reply(eng: Engine, src: int, msg: tuple) -> None:
 
 
 def _serve_revoked(eng: Engine, src: int, msg: tuple) -> None:
-    revoked = eng.models[SpmdModel.name].revoked
+    model = eng.models[SpmdModel.name]
+    revoked = model.revoked
     if len(revoked) >= 1 << 16:
         revoked.clear()  # a bound; a lost entry makes a stale get go to the owner, who refuses
-    revoked.add(msg[1])
+    revoked.add(msg[2])
+    model.send(src, (MEMREPLY, msg[1], True, None))
 
 
 register(GET, _serve_get, served_while_busy=True)

@@ -185,8 +185,8 @@ def _keep(model: Any, ident: Any, arr: np.ndarray) -> None:
 def unregister(gp: MemoryPointer) -> None:
     """Forget memory this context registered; later gets and puts on it fail.
 
-    Every context is told; a get or put that one of them starts after the
-    news arrived fails at the call. Contexts of this host copy from and to
+    Every context is told, and has heard when it returns: a get or put that
+    one of them starts afterwards fails at the call. Contexts of this host copy from and to
     the buffer directly, without asking, so make sure none is in flight (a
     barrier) before the buffer is freed or reused.
 
@@ -213,18 +213,29 @@ def unregister(gp: MemoryPointer) -> None:
     model = model_of(eng)
     if gp.ident not in model.regions:
         raise ValueError(f"mf.unregister(): {gp!r} is not registered (unregistered already?)")
-    engine_side(eng, _forget, eng, model, gp.ident)
+    acks = engine_side(eng, _forget, eng, model, gp.ident)
+    for f in acks:  # every context has heard when this returns
+        try:
+            f.result()
+        except errors.ContextLost:
+            pass  # a context that is gone copies nothing
 
 
-def _forget(eng: Engine, model: Any, ident: Any) -> None:
+def _forget(eng: Engine, model: Any, ident: Any) -> list:
     model.regions.pop(ident, None)
-    # the others copy directly, without asking: tell them it is gone
+    # the others copy directly, without asking: tell them it is gone, and
+    # wait until each has heard (a barrier in shared memory sends no message
+    # that would come after the news)
+    acks = []
     for r in eng.context_ids():
         if r != eng.id and r not in eng.lost:
+            f = local_future(eng)
+            acks.append(f)
             try:
-                model.send(r, (REVOKED, ident))
+                model.request(r, f, None, ("unregister", ident, r), REVOKED, ident)
             except ConnectionError:
-                pass
+                f._set(True, None)
+    return acks
 
 
 def _engine(gp: Any, who: str) -> Engine:
@@ -349,6 +360,8 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
         if acc.read(gp.region, off, memoryview(mine)):
             model.counts["spmd_gets_direct"] += 1
             return Handle(eng, Done(value), (who, gp, None))
+    elif gp.region.readonly:
+        raise ValueError(f"mf.{who}(): the registered buffer is read-only")
     elif acc.write(gp.region, off, memoryview(mine)):
         model.counts["spmd_puts_direct"] += 1
         return Handle(eng, Done(value), (who, gp, None))

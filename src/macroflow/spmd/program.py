@@ -81,10 +81,14 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region), {}, r)
                for r in range(size)]
     results: List[Any] = []
+    called = []
     failures = []
     for r, f in enumerate(futures):
         try:
-            results.append(f.result())
+            value, entered, signature, caught = f.result()
+            results.append(value)
+            # a context that caught a collective's error knows the run went wrong
+            called.append(None if caught else (entered, signature))
         except Exception as e:
             failures.append((r, e))
             results.append(None)
@@ -93,6 +97,14 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
         first = next((e for _, e in failures if not isinstance(e, errors.CollectiveError)),
                      failures[0][1])
         raise first
+    if None not in called and any(c != called[0] for c in called):
+        # a collective whose messages crossed (a broadcast against a reduce,
+        # different roots) can complete everywhere with wrong values
+        raise errors.CollectiveError(
+            "the contexts of the run called different collectives (kind, root or order) and "
+            "the results may be wrong: " + ", ".join(
+                f"context {r} entered {c[0]} (signature {c[1]:08x})" for r, c in enumerate(called)),
+            missing=[])
     return results
 
 

@@ -1714,7 +1714,12 @@ class MpiCollectives:
 
     def __init__(self, MPI: Any, comm: Any):
         self.MPI = MPI
-        self.comm, self.dup = comm.Idup()
+        self.parent = comm
+        # duplicated at the first collective started (every rank starts its
+        # first at the same point): a run that never uses one leaves nothing
+        # pending that would hold the communicator's disconnection
+        self.comm: Any = None
+        self.dup: Any = None
         self.started = 0  # collectives started on it: each rank's count, matched in order
         self.pending: List["NativeCollective"] = []  # started, not yet seen complete
 
@@ -1741,7 +1746,7 @@ class MpiCollectives:
         """Free the duplicate communicator: MPI frees it once what is pending
         on it ends, and a collective a rank never joined must not hold the
         disconnection of the others."""
-        if self.dup is None:
+        if self.comm is not None and self.dup is None:
             try:
                 self.comm.Free()
             except Exception:
@@ -1791,6 +1796,8 @@ class NativeCollective:
             return True
         owner = self.owner
         if self.req is None:
+            if owner.comm is None:
+                owner.comm, owner.dup = owner.parent.Idup()
             if owner.dup is not None:
                 if not owner.dup.Test():
                     return False
