@@ -359,8 +359,9 @@ class Slow:
 def test_a_wait_cycle_between_two_objects_fails_one_waiter_naming_the_cycle(run):
     def main():
         a, b = Ping.create(on=1), Ping.create(on=2)
-        a.setup(b)
-        b.setup(a)
+        # b.setup and b.bounce come from different callers (main, a.start), so
+        # nothing orders them: wait until both objects know each other
+        mf.gather([a.setup(b), b.setup(a)])
         t = time.monotonic()
         with pytest.raises(mf.DeadlockError) as e:
             a.start().result(timeout=20)

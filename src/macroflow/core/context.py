@@ -622,9 +622,7 @@ class Engine:
             nap = 0.0 if time.monotonic() < self.poller_spin_until else POLLER_PERIOD
             timeout = nap if timeout is None else min(timeout, nap)
             self.transport.poll(timeout)
-            for fn in list(pollers):
-                if fn():
-                    pollers.remove(fn)
+            self.run_pollers()
         else:
             self.transport.poll(timeout)
         self.process()
@@ -1275,6 +1273,27 @@ class Engine:
         if self.user and self.serving != _get_ident():
             return self._from_user(self.poll)
         return self.serve_arrived()
+
+    def poll_user(self) -> int:
+        """What ``mf.poll()`` does for user code: serve what needs no user code
+        and, from a call of a kind that yields on poll, let the engine run what
+        has arrived for one round. Returns how many messages were served."""
+        served = self.poll()
+        call = getattr(getcurrent(), "call", None)
+        if call is not None and self.inbox and \
+                getattr(self.call_kinds.get(call.kind), "yields_on_poll", False):
+            self.yield_now()
+        return served
+
+    def run_pollers(self) -> bool:
+        """Call every poller once, dropping those that return True; True if any did."""
+        done = False
+        pollers = self.pollers
+        for fn in list(pollers):
+            if fn():
+                pollers.remove(fn)
+                done = True
+        return done
 
     def yield_now(self) -> None:
         """From a lightweight thread: let the engine serve what has arrived,

@@ -725,10 +725,4 @@ def poll() -> int:
         499500
     """
     from .context import current_engine
-    eng = current_engine()
-    served = eng.poll()
-    call = getattr(getcurrent(), "call", None)
-    if call is not None and eng.inbox and \
-            getattr(eng.call_kinds.get(call.kind), "yields_on_poll", False):
-        eng.yield_now()
-    return served
+    return current_engine().poll_user()

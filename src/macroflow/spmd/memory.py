@@ -353,6 +353,29 @@ class _Watch:
             pass
 
 
+def _span(buf: Any, what: str, region: Region, offset: Any,
+          writable: bool) -> Tuple[memoryview, int, int]:
+    """The checks read() and write() share: ``buf`` as a contiguous
+    memoryview (writable, to copy into), its size in bytes, and ``offset``,
+    which with that size must lie inside ``region``."""
+    try:
+        m = memoryview(buf)
+    except TypeError:
+        m = _buffer(buf, f"{what}()")
+    if writable and m.readonly:
+        raise ValueError(f"{what}() needs a writable buffer to copy into, got a read-only "
+                         f"{type(buf).__name__}")
+    if not m.c_contiguous:
+        _contiguous(m, f"{what}()", buf)
+    n = m.nbytes
+    offset = _index(offset)
+    if offset < 0 or offset + n > region.nbytes:
+        raise ValueError(f"{what} of {n} bytes at offset {offset} is outside the region of "
+                         f"{region.nbytes} bytes (need 0 <= offset and offset + size <= "
+                         f"{region.nbytes})")
+    return m, n, offset
+
+
 class Access:
     """Reads and writes other processes' registered memory, doing the copy here.
 
@@ -420,21 +443,7 @@ class Access:
             >>> access().read(describe(a), 16, out), out.tolist()
             (True, [2.5, 2.5])
         """
-        try:
-            m = memoryview(out)
-        except TypeError:
-            m = _buffer(out, "read()")
-        if m.readonly:
-            raise ValueError(f"read() needs a writable buffer to copy into, got a read-only "
-                             f"{type(out).__name__}")
-        if not m.c_contiguous:
-            _contiguous(m, "read()", out)
-        n = m.nbytes
-        offset = _index(offset)
-        if offset < 0 or offset + n > region.nbytes:
-            raise ValueError(f"read of {n} bytes at offset {offset} is outside the region of "
-                             f"{region.nbytes} bytes (need 0 <= offset and offset + size <= "
-                             f"{region.nbytes})")
+        m, n, offset = _span(out, "read", region, offset, writable=True)
         if region.node != self.node:
             return False
         if n == 0:
@@ -503,18 +512,7 @@ class Access:
             >>> access().write(describe(a), 2, np.array([9], "int16")), a.tolist()
             (True, [0, 9, 0])
         """
-        try:
-            m = memoryview(data)
-        except TypeError:
-            m = _buffer(data, "write()")
-        if not m.c_contiguous:
-            _contiguous(m, "write()", data)
-        n = m.nbytes
-        offset = _index(offset)
-        if offset < 0 or offset + n > region.nbytes:
-            raise ValueError(f"write of {n} bytes at offset {offset} is outside the region of "
-                             f"{region.nbytes} bytes (need 0 <= offset and offset + size <= "
-                             f"{region.nbytes})")
+        m, n, offset = _span(data, "write", region, offset, writable=False)
         if region.readonly:
             raise ValueError(f"{region!r} describes a read-only buffer; it cannot be written")
         if region.node != self.node:

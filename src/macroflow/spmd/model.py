@@ -139,7 +139,7 @@ class Handle:
         """
         if self._f._state == FINISHED:
             return True
-        progress(self._eng)
+        self._eng.poll_user()
         return self._f._state == FINISHED
 
     def done(self) -> bool:
@@ -188,15 +188,6 @@ def describe(what: Any) -> str:
             return f"remote action {name} on context {where}"
         return f"{kind} of {target!r}"
     return str(what)
-
-
-def progress(eng: Engine) -> None:
-    """Serve what has arrived for this context, as :func:`macroflow.poll` does."""
-    eng.poll()
-    call = getattr(getcurrent(), "call", None)
-    if call is not None and eng.inbox and \
-            getattr(eng.call_kinds.get(call.kind), "yields_on_poll", False):
-        eng.yield_now()
 
 
 class Run:

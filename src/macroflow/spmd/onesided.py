@@ -386,5 +386,3 @@ def _check_array(a: np.ndarray, gp: MemoryPointer, who: str, name: str) -> None:
     if not a.flags.c_contiguous:
         raise ValueError(f"mf.{who}(): {name} must be C-contiguous")
 
-
-_ = errors  # the errors named in the docstrings are raised by the layers below

@@ -102,14 +102,8 @@ class World:
                 for eng in self.engines:
                     eng.probe_blocked(force=True)  # type: ignore[attr-defined]
                 continue
-            polled = False
-            for eng in self.engines:
-                pollers = eng.pollers  # type: ignore[attr-defined]
-                for fn in list(pollers):  # what completes without a message
-                    if fn():
-                        pollers.remove(fn)
-                        polled = True
-            if polled:
+            # what completes without a message (every engine's pollers)
+            if any([eng.run_pollers() for eng in self.engines]):  # type: ignore[attr-defined]
                 continue
             timers = [e.timers[0][0] for e in self.engines if e.timers]  # type: ignore[attr-defined]
             now = time.monotonic()
