@@ -74,6 +74,103 @@ def test_get_and_put_read_and_write_ranges_of_another_context(transport):
         assert r["after"] == want
 
 
+def by_message(nbytes):
+    from macroflow.core.context import current_engine
+    from macroflow.spmd.model import model_of
+    model_of(current_engine()).onesided = "message"  # as if the owner were on another host
+    me, n = mf.rank(), mf.size()
+    mine = (np.arange(nbytes // 8, dtype=np.float64) + me) % 251
+    ptrs = mf.allgather(mf.register(mine))
+    other = ptrs[(me + 1) % n]
+    out = np.zeros(nbytes // 8)
+    same = mf.get(other, out=out).wait() is out
+    ok = bool((out == (np.arange(nbytes // 8) + (me + 1) % n) % 251).all())
+    part = mf.get(other[5:9]).wait().tolist()
+    mf.barrier()
+    mf.put(other[:3], np.full(3, -1.0)).wait()
+    mf.barrier()
+    st = mf.stats()[0]
+    return (same, ok, part, mine[:4].tolist(), st["spmd_gets_served"], st["spmd_puts_served"],
+            st["spmd_gets_in_place"], st["spmd_gets_direct"])
+
+
+@pytest.mark.timeout(120)
+def test_a_get_answered_by_message_is_received_into_the_callers_array(transport):
+    nbytes = 1 << 20  # large enough that the stream and MPI transports receive it apart
+    res = mf.spmd(by_message, nbytes, n=2, transport=transport)
+    for me, (same, ok, part, head, served, put_served, in_place, direct) in enumerate(res):
+        base = (me + 1) % 2
+        assert same and ok
+        assert part == [float(base + i) for i in range(5, 9)]
+        assert head == [-1.0, -1.0, -1.0, float(me + 3)]
+        assert (served, put_served, direct) == (2, 1, 0)  # the other's two gets, its put
+        # inproc hands frames over as they are: nothing to receive in place
+        assert in_place == (0 if transport == "inproc" else 1)
+
+
+def test_macroflow_onesided_names_the_ways_a_get_may_go(monkeypatch):
+    monkeypatch.setenv("MACROFLOW_ONESIDED", "fast")
+    with pytest.raises(ValueError, match="MACROFLOW_ONESIDED must be one of direct, window, "
+                                         "message; got 'fast'"):
+        mf.spmd(lambda: mf.get(mf.allgather(mf.register(np.zeros(2)))[1 - mf.rank()]).wait(),
+                n=2, transport="inproc")
+
+
+WINDOW_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import macroflow as mf
+
+    def main():
+        me, n = mf.rank(), mf.size()
+        plain = np.arange(300_000, dtype=np.int32) * (me + 1)
+        shared = mf.shared_full(10, float(me))
+        frozen = bytes(range(me, me + 16))
+        mine = [mf.register(plain), mf.register(shared), mf.register(frozen)]
+        ptrs = mf.allgather(mine)
+        right = ptrs[(me + 1) % n]
+        r = (me + 1) % n
+        got = mf.get(right[0]).wait()
+        assert (got == np.arange(300_000, dtype=np.int32) * (r + 1)).all()
+        assert mf.get(right[0][7:9]).wait().tolist() == [7 * (r + 1), 8 * (r + 1)]
+        assert mf.get(right[1][2:4]).wait().tolist() == [float(r)] * 2
+        assert bytes(mf.get(right[2]).wait()) == bytes(range(r, r + 16))
+        mf.put(right[1][0], -1.0).wait()  # puts are the owner's to apply
+        mf.barrier()
+        assert shared[0] == -1.0
+        st = mf.stats()[0]
+        counts = (st["spmd_gets_window"], st["spmd_gets_served"], st["spmd_puts_served"])
+        mf.barrier()
+        mf.unregister(mine[0])
+        mf.barrier()
+        try:
+            mf.get(right[0])
+            gone = "no error"
+        except ValueError as e:
+            gone = str(e)
+        return counts, "unregistered" in gone
+
+    if __name__ == "__main__":
+        print(mf.spmd(main, n=3))
+""")
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_gets_read_through_an_mpi_window(tmp_path):
+    from conftest import MPI_MISSING
+    if MPI_MISSING:
+        pytest.skip(MPI_MISSING)
+    from macroflow.transport.mpi import _find_mpiexec
+    path = tmp_path / "job.py"
+    path.write_text(WINDOW_SCRIPT)
+    env = dict(os.environ, MACROFLOW_ONESIDED="window")
+    p = subprocess.run([_find_mpiexec(), "-n", "3", sys.executable, str(path)],
+                       capture_output=True, text=True, timeout=150, env=env)
+    assert p.returncode == 0, p.stderr
+    # three gets each through the window; the owner answers the get of read-only
+    # memory (MPI attaches writable memory only) and applies the put
+    assert p.stdout.strip().splitlines()[-1] == str([((3, 1, 1), True)] * 3)
+
+
 def collectives():
     me, n = mf.rank(), mf.size()
     out = {}

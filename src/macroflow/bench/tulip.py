@@ -57,6 +57,8 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.bench import json_problem, progress_printer, write_json
+from macroflow.core.context import current_engine
+from macroflow.spmd.model import model_of
 
 #: message sizes of Figure 1, in bytes: 8 B to 1 MiB, by 8, with the paper's 64 KiB
 SIZES = (8, 64, 512, 4096, 32768, 65536, 262144, 1048576)
@@ -69,8 +71,15 @@ TRANSPORTS = ("local", "mpi")
 #: actions between idle contexts (what the barrier adds), rsr there and back
 RA_ROWS = ("ra", "ra_idle", "rsr")
 #: Figure 1's rows
-GET_ROWS = ("get_shm", "get_vm", "two_sided", "copy")
+GET_ROWS = ("get_shm", "get_vm", "get_win", "get_msg", "two_sided", "copy")
+#: Figure 1's ratios, as the table heads them
+RATIO_TITLES = {"get_shm/copy": "shm/copy", "get_vm/copy": "process_vm/copy",
+                "get_shm/two_sided": "shm/two-sided", "get_win/two_sided": "window/two-sided",
+                "get_msg/two_sided": "message/two-sided"}
+#: how each get row's gets may go (see macroflow.spmd.model.env_onesided)
+ROW_PATHS = {"get_shm": "direct", "get_vm": "direct", "get_win": "window", "get_msg": "message"}
 ROW_TITLES = {"get_shm": "get, shared_empty", "get_vm": "get, numpy (process_vm)",
+              "get_win": "get, MPI window", "get_msg": "get, by message",
               "two_sided": "two-sided", "copy": "plain copy"}
 TWO_SIDED = {"local": "hand-coded request and reply, AF_UNIX socketpair, forked process",
              "mpi": "mpi4py Send of a request, Ssend/Recv of the data, mpiexec -n 2"}
@@ -337,7 +346,13 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> An
             mf.unregister(gp)
         return polls
     _, gp_shm, gp_vm = ptrs[1]
-    pointers = {"get_shm": gp_shm, "get_vm": gp_vm}
+    # get_win: read through MPI's window (under mpiexec); get_msg: the owner
+    # serves it; both as for memory on another host. A reply by message
+    # lands in `out` (the receive posted before the request goes)
+    model = model_of(current_engine())
+    pointers = {"get_shm": gp_shm, "get_vm": gp_vm, "get_win": gp_vm, "get_msg": gp_vm}
+    if not gp_vm.region.window or model.window() is None:
+        del pointers["get_win"]
     out = np.empty(cap, np.uint8)
     clock = time.perf_counter_ns
     get = mf.get
@@ -346,6 +361,7 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> An
         o = out[:s]
         for kind, gp in pointers.items():
             g = gp[:s]
+            model.onesided = ROW_PATHS[kind]
             if check:
                 o[:] = 0
                 get(g, out=o).wait()
@@ -357,11 +373,13 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> An
         for i in range(k):  # the two kinds alternate, a moment apart
             for kind, gp in pointers.items():
                 g = gp[:s]
+                model.onesided = ROW_PATHS[kind]
                 t = clock()
                 get(g, out=o).wait()
                 row[kind].append(clock() - t)
         for kind in pointers:
             samples[kind].append(row[kind])
+    model.onesided = "direct"
     mf.put(ptrs[1][0], 1.0).wait()
     mf.barrier()
     mf.unregister(own[0])
@@ -830,8 +848,10 @@ def _figure1(cfg: Config, sizes: List[int], mpi_missing: Optional[str],
             entry.update(status="not available", reason=mpi_missing)
             continue
         progress(f"Figure 1 on {transport}")
+        # on mpi under mpiexec: only an mpiexec job has the window of get_win
         res = _spawn(["--worker", "get", "--transport", transport,
-                      "--sizes", ",".join(map(str, sizes))], cfg)
+                      "--sizes", ",".join(map(str, sizes))], cfg,
+                     mpiexec=find_mpiexec() if transport == "mpi" else None, ranks=2)
         if transport == "mpi" and "rows" in res:
             progress("Figure 1: mpi4py under mpiexec -n 2")
             native = _spawn(["--mpi-native", "p2p", "--sizes", ",".join(map(str, sizes))], cfg,
@@ -853,7 +873,9 @@ def _figure1(cfg: Config, sizes: List[int], mpi_missing: Optional[str],
             "time: median over every get; ratio: of those medians (the MPI rows run in a job "
             "of their own, just after)")
         ratios = {}
-        for a, b in (("get_shm", "copy"), ("get_vm", "copy"), ("get_shm", "two_sided")):
+        for a, b in (p.split("/") for p in RATIO_TITLES):
+            if a not in rows:
+                continue
             if transport == "local":
                 ratios[f"{a}/{b}"] = [paired_ratio(x["batch_medians_us"], y["batch_medians_us"])
                                       for x, y in zip(rows[a], rows[b])]
@@ -1046,14 +1068,15 @@ def tables(res: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[str]], L
     for t, e in f1["transports"].items():
         if e.get("status") != "measured":
             continue
-        heads = ["size"] + [ROW_TITLES[r] + ", us" for r in GET_ROWS] + \
-            ["shm/copy", "process_vm/copy", "shm/two-sided", "get shm, MB/s"]
+        present = [r for r in GET_ROWS if r in e["rows"]]
+        pairs = [p for p in RATIO_TITLES if p in e["ratios"]]
+        heads = ["size"] + [ROW_TITLES[r] + ", us" for r in present] + \
+            [RATIO_TITLES[p] for p in pairs] + ["get shm, MB/s"]
         rows = []
         for i, s in enumerate(f1["sizes"]):
-            rows.append([s["label"]] + [_us(e["rows"][r][i]["median_us"]) for r in GET_ROWS] +
-                        [_x(e["ratios"]["get_shm/copy"][i]), _x(e["ratios"]["get_vm/copy"][i]),
-                         _x(e["ratios"]["get_shm/two_sided"][i]),
-                         "n/a" if e["mb_per_s"]["get_shm"][i] is None
+            rows.append([s["label"]] + [_us(e["rows"][r][i]["median_us"]) for r in present] +
+                        [_x(e["ratios"][p][i]) for p in pairs] +
+                        ["n/a" if e["mb_per_s"]["get_shm"][i] is None
                          else f"{e['mb_per_s']['get_shm'][i]:,.0f}"])
         notes = [f"two-sided: {e['two_sided']}", f"plain copy: {e['copy']}",
                  f"paper: {PAPER['figure1']}"]
@@ -1190,9 +1213,10 @@ def _example_result() -> Dict[str, Any]:
     local = {"status": "measured", "reason": "", "two_sided": TWO_SIDED["local"],
              "copy": PLAIN_COPY["local"],
              "rows": {"get_shm": [fig(16.0), fig(60.0)], "get_vm": [fig(20.0), fig(135.0)],
+                      "get_msg": [fig(40.0), fig(420.0)],
                       "two_sided": [fig(30.0), fig(400.0)], "copy": [fig(1.0), fig(50.0)]},
              "ratios": {"get_shm/copy": [16.0, 1.2], "get_vm/copy": [20.0, 2.7],
-                        "get_shm/two_sided": [0.53, 0.15]},
+                        "get_shm/two_sided": [0.53, 0.15], "get_msg/two_sided": [1.3, 1.05]},
              "mb_per_s": {"get_shm": [0.5, 17476.0]}}
     missing = "the mpi transport needs mpi4py"
     us = {p: 50.0 for p in PATTERNS}

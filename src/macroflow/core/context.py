@@ -307,7 +307,7 @@ class Engine:
             for kind in model.pointers:
                 self.pointer_kinds[kind] = model
         if transport is not None:
-            transport.attach(self.deliver, self.peer_lost)
+            transport.attach(self.deliver, self.peer_lost, self.land)
             if transport.fileno() is not None:  # inproc: nothing runs while a method does
                 from .threads import start_service
                 self.service = start_service(self)
@@ -356,6 +356,13 @@ class Engine:
         st = self.stats
         st.messages_sent += 1
         st.bytes_sent += n
+
+    def land(self, src: int, head: Any, nbytes: int) -> Optional[memoryview]:
+        """Where a large payload of a frame from ``src`` should be received:
+        what the landing registered for the frame's opcode says (see
+        :func:`register`), or None."""
+        fn = LANDINGS.get(_peek_op(head))
+        return None if fn is None else fn(self, src, head, nbytes)
 
     def deliver(self, src: int, bufs: List[Any], load: int) -> None:
         self.inbox.append((src, bufs, load))
@@ -1644,12 +1651,28 @@ SERVED_WHILE_BUSY: Dict[int, Handler] = {}
 
 _OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
 
+#: Where the large payload buffers of a message land, by opcode:
+#: landing(engine, src, head, nbytes) -> a writable memoryview of nbytes, or
+#: None (see register). Called by the transport as the buffer arrives, before
+#: the message is handled, possibly in the service thread.
+LANDINGS: Dict[int, Callable[["Engine", int, Any, int], Optional[memoryview]]] = {}
 
-def register(opcode: int, handler: Handler, served_while_busy: bool = False) -> None:
+
+def register(opcode: int, handler: Handler, served_while_busy: bool = False,
+             landing: Optional[Callable[["Engine", int, Any, int], Optional[memoryview]]]
+             = None) -> None:
     """Make the engine of every context run ``handler(engine, src, msg)`` for
     each message whose header (a tuple sent with ``engine.send``) starts with
     ``opcode``; ``served_while_busy`` also serves it while a method of that
     context computes (see "Service while a context computes" in the guide).
+
+    ``landing(engine, src, head, nbytes)``, if given, is asked where each
+    large out-of-band buffer of such a message should be received (``head``
+    is the message's first buffer, still pickled): a writable memoryview of
+    exactly ``nbytes`` bytes that the receiver posted (a get's result array),
+    or None for a buffer of the transport's own. Stream and MPI transports
+    then receive the bytes straight into it (a rendezvous: no copy after
+    the kernel's or MPI's own); the handler finds that view in the message.
 
     Opcodes are small ints (0..255) taken by one handler each: the core's own
     are ``CALL`` to ``LEFT`` (0..16). Register when the module is imported, so that
@@ -1688,10 +1711,15 @@ def register(opcode: int, handler: Handler, served_while_busy: bool = False) -> 
     if opcode in HANDLERS or opcode == CALL:
         raise ValueError(f"opcode {opcode} is already registered (to {_OWNERS[opcode]}); "
                          f"unregister it first")
+    if landing is not None and not callable(landing):
+        raise TypeError(f"landing must be callable as landing(engine, src, head, nbytes); "
+                        f"got {type(landing).__name__}")
     HANDLERS[opcode] = handler
     _OWNERS[opcode] = getattr(handler, "__qualname__", repr(handler))
     if served_while_busy:
         SERVED_WHILE_BUSY[opcode] = handler
+    if landing is not None:
+        LANDINGS[opcode] = landing
 
 
 def unregister(opcode: int) -> None:
@@ -1715,6 +1743,7 @@ def unregister(opcode: int) -> None:
     del HANDLERS[opcode]
     del _OWNERS[opcode]
     SERVED_WHILE_BUSY.pop(opcode, None)
+    LANDINGS.pop(opcode, None)
 
 
 class CallKind:

@@ -239,6 +239,8 @@ class Region:
             mapping is reused only for the same memfd, even when the owner
             closed the descriptor and reused its number.
         readonly: the buffer was read-only; writing to it is refused.
+        window: the owner attached the buffer to its transport's one-sided
+            window (MPI under mpiexec): peers of that window read it there.
 
     Example:
         >>> import pickle
@@ -247,15 +249,17 @@ class Region:
         (5, None, True)
     """
 
-    __slots__ = ("node", "pid", "address", "nbytes", "shm", "shm_id", "readonly")
+    __slots__ = ("node", "pid", "address", "nbytes", "shm", "shm_id", "readonly", "window")
 
     def __init__(self, node: str, pid: int, address: int, nbytes: int,
-                 shm: Optional[Tuple[int, int, int]] = None, shm_id: int = 0, readonly: bool = False):
+                 shm: Optional[Tuple[int, int, int]] = None, shm_id: int = 0, readonly: bool = False,
+                 window: bool = False):
         self.node, self.pid, self.address, self.nbytes = node, pid, address, nbytes
-        self.shm, self.shm_id, self.readonly = shm, shm_id, readonly
+        self.shm, self.shm_id, self.readonly, self.window = shm, shm_id, readonly, window
 
     def _fields(self) -> tuple:
-        return (self.node, self.pid, self.address, self.nbytes, self.shm, self.shm_id, self.readonly)
+        return (self.node, self.pid, self.address, self.nbytes, self.shm, self.shm_id, self.readonly,
+                self.window)
 
     def __reduce__(self):
         return Region, self._fields()

@@ -287,13 +287,18 @@ class SpmdModel(Model):
         self.regions: Dict[Any, Any] = {}  # ident -> (array, its bytes, writable)
         self.revoked: set = set()  # idents of memory other contexts unregistered
         self.requests: Dict[int, Tuple[int, Future, Any, Any]] = {}  # req -> (peer, f, out, what)
+        self.landed: set = set()  # gets whose reply was received into their array
         self.req_seq = itertools.count()
         self.runs: "OrderedDict[Any, Run]" = OrderedDict()
         self.early: "OrderedDict[Any, List[Tuple[int, tuple]]]" = OrderedDict()
         self.by_call: Dict[Any, Run] = {}  # the fid of a run's function here -> its run
         self.run_seq = itertools.count()
-        self.counts = {"spmd_gets_direct": 0, "spmd_gets_served": 0, "spmd_puts_direct": 0,
-                       "spmd_puts_served": 0, "spmd_collectives": 0}
+        self.counts = {"spmd_gets_direct": 0, "spmd_gets_window": 0, "spmd_gets_served": 0,
+                       "spmd_gets_in_place": 0, "spmd_puts_direct": 0, "spmd_puts_served": 0,
+                       "spmd_collectives": 0}
+        self.onesided: Optional[str] = None  # how gets and puts may go (env_onesided)
+        self._window: Any = False  # the transport's one-sided window (False: not asked yet)
+        self.window_gets: Dict[int, int] = {}  # context -> window gets from it in flight
 
     # ------------------------------------------------------------------ the engine's hooks
     def resolve(self, kind: str, ident: Any) -> Any:
@@ -306,6 +311,7 @@ class SpmdModel(Model):
         for req, (p, f, _, _) in list(self.requests.items()):
             if p == peer:
                 del self.requests[req]
+                self.landed.discard(req)
                 f._set(False, exc)
         for run in self.runs.values():
             if peer < run.size and run.failed is None:
@@ -425,6 +431,42 @@ class SpmdModel(Model):
             from .collectives import on_message
             on_message(self, run, src, msg)
 
+    def window(self) -> Any:
+        """The transport's one-sided window (see MpiTransport.window), or None."""
+        if self._window is False:
+            fn = getattr(self.eng.transport, "window", None)
+            self._window = fn() if fn is not None else None
+        return self._window
+
+    def window_get(self, f: Future, value: Any, out: Any, ctx: int, address: int,
+                   nbytes: int) -> None:
+        """Read ``nbytes`` at ``address`` in context ``ctx`` through the window
+        into ``out``; ``f`` gets ``value`` when they are there. The engine
+        polls the MPI request: the owner does nothing."""
+        eng = self.eng
+        if ctx in eng.lost:
+            f._set(False, errors.ContextLost(ctx, eng.lost[ctx]))
+            return
+        req = self.window().get(out, ctx, address, nbytes)
+        gets = self.window_gets
+        gets[ctx] = gets.get(ctx, 0) + 1
+
+        def poll() -> bool:
+            if not req.Test():
+                if ctx not in eng.lost:
+                    return False
+                f._set(False, errors.ContextLost(ctx, eng.lost[ctx]))
+            else:
+                self.counts["spmd_gets_window"] += 1
+                f._set(True, value)
+            gets[ctx] -= 1
+            return True
+
+        for _ in range(_QUICK_LOOKS):  # a small read is often done by now
+            if poll():
+                return
+        eng.add_poller(poll)
+
     def request(self, dest: int, f: Future, out: Any, what: Any, op: int, *fields: Any) -> None:
         """Send a GET or PUT to the owner; ``f`` completes with its MEMREPLY."""
         if dest in self.eng.lost:
@@ -493,8 +535,33 @@ def _serve_memreply(eng: Engine, src: int, msg: tuple) -> None:
         f._set(True, None)
         return
     array, view = out
-    view[:] = memoryview(payload).cast("B")
+    if req in model.landed:
+        model.landed.discard(req)  # the transport received the bytes into the array
+        model.counts["spmd_gets_in_place"] += 1
+    else:
+        view[:] = memoryview(payload).cast("B")
     f._set(True, array)
+
+
+def _land_memreply(eng: Engine, src: int, head: Any, nbytes: int) -> Optional[memoryview]:
+    """The array a get posted, for the bytes of its MEMREPLY to land in (a
+    rendezvous: the transport receives them there, not into a buffer of its
+    own that the handler would then copy)."""
+    model = eng.models.get(SpmdModel.name)
+    if model is None or not model.requests:
+        return None
+    try:
+        req = pickle.loads(head, buffers=[b""])[1]  # the payload is the buffer that lands
+    except Exception:
+        return None
+    entry = model.requests.get(req)
+    if entry is None or entry[0] != src or entry[2] is None:
+        return None
+    view = memoryview(entry[2][1])
+    if view.nbytes != nbytes or view.readonly:
+        return None
+    model.landed.add(req)
+    return view
 
 
 def _serve_run_message(eng: Engine, src: int, msg: tuple) -> None:
@@ -527,6 +594,10 @@ def _serve_status_reply(eng: Engine, src: int, msg: tuple) -> None:
 
 def _serve_revoked(eng: Engine, src: int, msg: tuple) -> None:
     model = eng.models[SpmdModel.name]
+    if model.window_gets.get(src):
+        # reads of its memory through the window are in flight: they end
+        # before the owner hears that we heard (and detaches the memory)
+        model.window().flush(src)
     revoked = model.revoked
     if len(revoked) >= 1 << 16:
         revoked.clear()  # a bound; a lost entry makes a stale get go to the owner, who refuses
@@ -537,7 +608,7 @@ def _serve_revoked(eng: Engine, src: int, msg: tuple) -> None:
 register(GET, _serve_get, served_while_busy=True)
 register(REVOKED, _serve_revoked, served_while_busy=True)
 register(PUT, _serve_put, served_while_busy=True)
-register(MEMREPLY, _serve_memreply)
+register(MEMREPLY, _serve_memreply, landing=_land_memreply)
 register(COLL, _serve_run_message)
 register(WAKE, _serve_run_message)
 register(ENDED, _serve_run_message)
@@ -548,6 +619,26 @@ register_model(SpmdModel.name, SpmdModel)
 
 def model_of(eng: Engine) -> SpmdModel:
     return eng.models[SpmdModel.name]
+
+
+_QUICK_LOOKS = 20  # tests of a window read before the engine polls it among the rest
+
+#: the ways a get or put may go, fastest first (see env_onesided)
+ONESIDED = ("direct", "window", "message")
+
+
+def env_onesided() -> str:
+    """How gets and puts may go: MACROFLOW_ONESIDED="direct" (the default:
+    copy the memory directly when it is on this host, else read it through
+    the transport's window (MPI under mpiexec), else ask the owner),
+    "window" (never copy directly) or "message" (always ask the owner, as
+    for memory on another host): to compare, or to test those paths on one
+    host."""
+    text = os.environ.get("MACROFLOW_ONESIDED", "direct")
+    if text not in ONESIDED:
+        raise ValueError(f"MACROFLOW_ONESIDED must be one of {', '.join(ONESIDED)}; "
+                         f"got {text!r}")
+    return text
 
 
 def env_timeout() -> Optional[float]:

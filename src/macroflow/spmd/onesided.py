@@ -33,7 +33,16 @@ from ..core.future import current_engine_of
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from . import memory
-from .model import GET, PUT, REVOKED, Done, Handle, engine_side, local_future, model_of
+from .model import (GET, PUT, REVOKED, Done, Handle, engine_side, env_onesided, local_future,
+                    model_of)
+
+#: the largest get read through an MPI window by default; larger ones are
+#: answered by the owner, their bytes received straight into the caller's
+#: array. Measured with `macroflow bench tulip` (Figure 1 on mpi, the owner
+#: polling): MPICH's reads of a dynamic window beat a request up to 64 KiB
+#: (20 us against 88 us at 8 B), tie at 256 KiB and lose at 1 MiB (808
+#: against 460 us); see docs/benchmarks.md
+WINDOW_MAX = 256 * 1024
 
 
 class MemoryPointer(GlobalPointer):
@@ -173,13 +182,19 @@ def register(buffer: Any) -> MemoryPointer:
     model = model_of(eng)
     ident = eng.new_fid()
     region = memory.describe(arr)
-    engine_side(eng, _keep, model, ident, arr)
+    region.window = engine_side(eng, _keep, model, ident, arr)
     return MemoryPointer(eng.id, ident, protocols_of(eng, eng.id), eng.computation, arr.dtype,
                          0, arr.size, region)
 
 
-def _keep(model: Any, ident: Any, arr: np.ndarray) -> None:
-    model.regions[ident] = (arr, _bytes(arr), bool(arr.flags.writeable))
+def _keep(model: Any, ident: Any, arr: np.ndarray) -> bool:
+    """Hold the array (and attach it to the transport's window, if there is
+    one); True if attached."""
+    data = _bytes(arr)
+    win = model.window() if arr.size else None
+    attached = win is not None and win.attach(data)
+    model.regions[ident] = (arr, data, bool(arr.flags.writeable), attached)
+    return attached
 
 
 def unregister(gp: MemoryPointer) -> None:
@@ -213,16 +228,18 @@ def unregister(gp: MemoryPointer) -> None:
     model = model_of(eng)
     if gp.ident not in model.regions:
         raise ValueError(f"mf.unregister(): {gp!r} is not registered (unregistered already?)")
-    acks = engine_side(eng, _forget, eng, model, gp.ident)
+    acks, entry = engine_side(eng, _forget, eng, model, gp.ident)
     for f in acks:  # every context has heard when this returns
         try:
             f.result()
         except errors.ContextLost:
             pass  # a context that is gone copies nothing
+    if entry[3]:  # every context has ended its reads through the window too
+        engine_side(eng, model.window().detach, entry[1])
 
 
-def _forget(eng: Engine, model: Any, ident: Any) -> list:
-    model.regions.pop(ident, None)
+def _forget(eng: Engine, model: Any, ident: Any) -> Tuple[list, Any]:
+    entry = model.regions.pop(ident, None)
     # the others copy directly, without asking: tell them it is gone, and
     # wait until each has heard (a barrier in shared memory sends no message
     # that would come after the news)
@@ -235,7 +252,7 @@ def _forget(eng: Engine, model: Any, ident: Any) -> list:
                 model.request(r, f, None, ("unregister", ident, r), REVOKED, ident)
             except ConnectionError:
                 f._set(True, None)
-    return acks
+    return acks, entry
 
 
 def _engine(gp: Any, who: str) -> Engine:
@@ -355,18 +372,27 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
         raise ValueError(f"mf.{who}(): {gp!r} was unregistered by context {gp.context}")
     if n == 0:
         return Handle(eng, Done(value), (who, gp, None))
-    acc = memory.access()
+    mode = model.onesided
+    if mode is None:
+        mode = model.onesided = env_onesided()
     if getting:
-        if acc.read(gp.region, off, memoryview(mine)):
+        if mode == "direct" and memory.access().read(gp.region, off, memoryview(mine)):
             model.counts["spmd_gets_direct"] += 1
             return Handle(eng, Done(value), (who, gp, None))
     elif gp.region.readonly:
         raise ValueError(f"mf.{who}(): the registered buffer is read-only")
-    elif acc.write(gp.region, off, memoryview(mine)):
+    elif mode == "direct" and memory.access().write(gp.region, off, memoryview(mine)):
         model.counts["spmd_puts_direct"] += 1
         return Handle(eng, Done(value), (who, gp, None))
     f = local_future(eng)
     what = (who, gp, None)
+    if getting and gp.region.window and (mode == "window" or mode == "direct"
+                                         and n <= WINDOW_MAX):
+        win = model.window()
+        if win is not None and win.reaches(gp.context):
+            engine_side(eng, model.window_get, f, value, mine, gp.context,
+                        gp.region.address + off, n)
+            return Handle(eng, f, what)
     if getting:
         engine_side(eng, model.request, gp.context, f, (value, mine), what, GET, gp.ident, off, n)
     else:

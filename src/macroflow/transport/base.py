@@ -19,6 +19,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 Deliver = Callable[[int, List[object], int], None]
 # lost(peer, how): the connection to peer is gone, with a human description.
 Lost = Callable[[int, str], None]
+# landing(src, head, nbytes): where a large payload buffer of a frame from src,
+# whose first buffer is `head`, should be received: a writable memoryview of
+# exactly nbytes bytes (a receive the engine posted, such as the caller's
+# array of a get) or None for a buffer of the transport's own.
+Landing = Callable[[int, object, int], Optional[memoryview]]
 
 
 class Transport(abc.ABC):
@@ -36,11 +41,16 @@ class Transport(abc.ABC):
     def __init__(self) -> None:
         self.deliver: Optional[Deliver] = None
         self.lost: Optional[Lost] = None
+        self.landing: Optional[Landing] = None
 
-    def attach(self, deliver: Deliver, lost: Lost) -> None:
-        """Tell the transport where incoming frames and lost peers go."""
+    def attach(self, deliver: Deliver, lost: Lost, landing: Optional[Landing] = None) -> None:
+        """Tell the transport where incoming frames and lost peers go, and
+        (optional) whom to ask where a large payload should land. A transport
+        that receives payloads into buffers of its own asks ``landing`` first,
+        so a reply the receiver posted a buffer for is received in place."""
         self.deliver = deliver
         self.lost = lost
+        self.landing = landing
 
     @abc.abstractmethod
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:

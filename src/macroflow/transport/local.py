@@ -898,7 +898,9 @@ class LocalTransport(Transport):
                 elif nb <= 8 and avail >= 8 + 8 * nb:
                     lens = struct.unpack_from(f"<{nb}Q", rbuf, c.rs + 8)
                     pos = c.rs + 8 + 8 * nb
-                    if avail >= pos - c.rs + sum(lens):  # fast path: a whole small frame
+                    total = sum(lens)
+                    if avail >= pos - c.rs + total and (
+                            total <= _BIG or self.landing is None):  # a whole small frame
                         bufs = []
                         for n in lens:
                             bufs.append(rbuf[pos:pos + n])
@@ -932,14 +934,22 @@ class LocalTransport(Transport):
                     got = True
                     continue
                 n = c.lens[c.idx]
+                posted = None
+                if n > _BIG and c.idx and self.landing is not None:
+                    posted = self.landing(c.peer, c.bufs[0], n)
                 if n <= avail:
                     piece = c.rmv[c.rs:c.rs + n]
-                    c.bufs.append(bytes(piece) if c.idx == 0 else bytearray(piece))
+                    if posted is not None:
+                        posted[:] = piece
+                        c.bufs.append(posted)
+                    else:
+                        c.bufs.append(bytes(piece) if c.idx == 0 else bytearray(piece))
                     c.rs += n
                     c.idx += 1
                 elif n > _BIG:
-                    # the array the user gets is built on this very buffer
-                    big = self.pool.get(n)
+                    # the array the user gets is built on this very buffer, or
+                    # it is the buffer the receiver posted (a get's array)
+                    big = self.pool.get(n) if posted is None else posted
                     big[:avail] = c.rmv[c.rs:c.re]
                     c.rs = c.re = 0
                     c.big, c.bigmv, c.bigpos = big, memoryview(big), avail

@@ -428,7 +428,7 @@ class MpiTransport(Transport):
 
     def __init__(self, comm: Any, spin_us: float = 0.0, release: Sequence[Any] = (),
                  wake: Optional[Tuple[str, Mapping[int, str]]] = None,
-                 members: Optional[Sequence[int]] = None):
+                 members: Optional[Sequence[int]] = None, window: bool = False):
         super().__init__()
         MPI = mpi()
         self.MPI = MPI
@@ -499,6 +499,8 @@ class MpiTransport(Transport):
         self.stamp = (self.ctx + 1) << 40  # what we store in a peer's SENT (see Waker)
         self._link(comm, members)
         self.gone.update(c for c in range(self.size) if self.dcomm[c] is None and c != self.ctx)
+        # collective: every rank of comm makes it here, at the same point
+        self._window = MpiWindow(MPI, comm, members) if window else None
         if wake is not None:
             self.wake_name = wake[0]
             self.waker = Waker(wake[0], self.ctx)
@@ -562,6 +564,12 @@ class MpiTransport(Transport):
         if self._natives is None:
             self._natives = MpiCollectives(self.MPI, self.links[0])
         return self._natives
+
+    def window(self) -> Optional["MpiWindow"]:
+        """The job's dynamic MPI window (one-sided reads of registered memory
+        without the owner's CPU), or None: made only under mpiexec, where
+        every rank is bound to the others until the job ends anyway."""
+        return self._window
 
     def peers(self) -> List[int]:
         return [p for p in range(self.size) if p != self.ctx and p not in self.gone]
@@ -934,8 +942,13 @@ class MpiTransport(Transport):
                 else:
                     if n <= COPY_MAX:
                         copied += n  # in the sender's window
-                    # received in place: the array the user gets is this memory
-                    big = self.pool.get(n)
+                    # received in place: the array the user gets is this memory,
+                    # or the buffer the receiver posted for it (a get's array)
+                    big = None
+                    if parts and self.landing is not None:
+                        big = self.landing(src, parts[0], n)
+                    if big is None:
+                        big = self.pool.get(n)
                     reqs.append(self.dcomm[src].Irecv([big, self.byte], self.drank[src], DATA))
                     parts.append(big)
             if reqs or src in self.inflight:
@@ -1064,6 +1077,8 @@ class MpiTransport(Transport):
             self.waker.close()
         if self._natives is not None:
             self._natives.close()
+        if self._window is not None:
+            self._window.close()
         for c in self.release:
             try:
                 c.Disconnect()
@@ -1248,8 +1263,8 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
     else:
         marshal.snapshot_main()  # the same script runs everywhere: what it defined exists here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _serve_on(MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"])),
-              setup)
+    _serve_on(MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"]),
+                           window=setup.get("window", False)), setup)
 
 
 def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
@@ -1531,10 +1546,13 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 deadline = time.monotonic() + 5.0
                 while not os.path.exists(table + ".watched") and time.monotonic() < deadline:
                     time.sleep(0.001)
+            # a window only under mpiexec: spawned ranks disconnect as they
+            # end, and a window that cannot be freed would bind them
+            window = not self.spawned and os.environ.get("MACROFLOW_MPI_WINDOW", "1") != "0"
             _handshake(comm, {"computation": s.computation, "placement": placement,
-                             "spin_us": spin_us, "hosts": names})
+                             "spin_us": spin_us, "hosts": names, "window": window})
             transport = MpiTransport(comm, spin_us, release=release,
-                                     wake=(s.computation, names))
+                                     wake=(s.computation, names), window=window)
         except BaseException:
             if not self.spawned:
                 comm.Abort(1)  # the other ranks wait for a setup that will never come
@@ -1686,6 +1704,76 @@ def _alive(host: str, pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
+
+
+class MpiWindow:
+    """A dynamic MPI window over a communicator (``MPI_Win_create_dynamic``),
+    in a passive-target epoch to every rank from the start: a rank attaches
+    the memory it registers, and any rank reads it with ``MPI_Rget``, polled
+    by its engine, while the owner's CPU does something else.
+
+    Making it is collective (every rank of the communicator, at the same
+    point): the transport makes it as it starts, under mpiexec only. It is
+    never freed (``MPI_Win_free`` is collective too, and ranks end one by
+    one); under mpiexec every rank is bound to the others until the job
+    ends anyway.
+
+    Example (one rank reading its own memory, where mpi4py is installed):
+        >>> import numpy as np
+        >>> if available() is None:
+        ...     w = MpiWindow(mpi(), mpi().COMM_SELF, [0])
+        ...     src, out = np.arange(4, dtype=np.uint8), np.zeros(4, np.uint8)
+        ...     attached = w.attach(src)
+        ...     req = w.get(out, 0, src.ctypes.data, 4)
+        ...     while not req.Test():
+        ...         pass
+        ...     w.detach(src)
+        ...     print(out.tolist())
+        ... else:
+        ...     print([0, 1, 2, 3])
+        [0, 1, 2, 3]
+    """
+
+    def __init__(self, MPI: Any, comm: Any, members: Sequence[int]):
+        self.MPI = MPI
+        self.win = MPI.Win.Create_dynamic(comm=comm)
+        self.win.Lock_all()
+        self.rank_of = {c: r for r, c in enumerate(members) if c >= 0}
+        self.byte = MPI.BYTE
+        self.closed = False
+
+    def reaches(self, ctx: int) -> bool:
+        """Whether context ``ctx`` is a rank of this window."""
+        return ctx in self.rank_of and not self.closed
+
+    def attach(self, buf: Any) -> bool:
+        """Let the other ranks read ``buf`` (C-contiguous); False if MPI refuses."""
+        try:
+            self.win.Attach(buf)
+        except Exception:
+            return False
+        return True
+
+    def detach(self, buf: Any) -> None:
+        try:
+            self.win.Detach(buf)
+        except Exception:
+            pass
+
+    def get(self, out: Any, ctx: int, address: int, nbytes: int) -> Any:
+        """Start reading ``nbytes`` at ``address`` in context ``ctx`` into
+        ``out``; returns the MPI request (test it to make progress)."""
+        return self.win.Rget([out, nbytes, self.byte], self.rank_of[ctx],
+                             (address, nbytes, self.byte))
+
+    def flush(self, ctx: int) -> None:
+        """Wait until every read started from context ``ctx``'s memory is done."""
+        self.win.Flush(self.rank_of[ctx])
+
+    def close(self) -> None:
+        # no Unlock_all: it waits for every rank, and ranks end one by one
+        # (the reads of this rank were waited for by their handles)
+        self.closed = True
 
 
 class MpiCollectives:

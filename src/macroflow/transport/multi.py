@@ -96,10 +96,10 @@ class MultiTransport(Transport):
                 self.ep.register(fd, select.EPOLLIN)
 
     # -- wiring ------------------------------------------------------------
-    def attach(self, deliver, lost) -> None:
-        super().attach(deliver, lost)
+    def attach(self, deliver, lost, landing=None) -> None:
+        super().attach(deliver, lost, landing)
         for m in self.modules:
-            m.attach(self._delivered_by(m), self._lost_by(m))
+            m.attach(self._delivered_by(m), self._lost_by(m), landing)
 
     def _delivered_by(self, m: Transport):
         counts = self.counts[m.name]
