@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -163,9 +164,66 @@ def poll_loop():
 
 
 def test_poll_in_a_compute_loop_runs_remote_actions(transport):
-    if transport == "inproc":
-        pytest.skip("one process: the polling loop holds the only thread")
+    # (inproc too: a polling loop lets the other contexts of the process run)
     assert mf.spmd(poll_loop, n=2, transport=transport) == ["set", "saw it"]
+
+
+def released_by_flag(gp):
+    while mf.get(gp).wait()[0] == 0.0:  # runs until context 0 sets the flag
+        mf.poll()
+    return "released"
+
+
+def wait_times_out():
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    out = None
+    if mf.rank() == 0:
+        h = mf.remote_action(1, released_by_flag, ptrs[1])
+        try:
+            h.wait(timeout=0.1)
+            text = "no timeout"
+        except mf.TimeoutError as e:
+            text = str(e)
+        pending = not h.done()
+        mf.put(ptrs[1], 1.0).wait()
+        out = (text, pending, h.wait(timeout=60))
+    mf.barrier()
+    return out
+
+
+def test_waiting_for_a_remote_action_that_goes_on_times_out(transport):
+    text, pending, value = mf.spmd(wait_times_out, n=2, transport=transport)[0]
+    assert "remote action released_by_flag on context 1: not done after 0.1 s" in text
+    assert pending and value == "released"  # the action went on, and a later wait gets it
+
+
+def computes(seconds):
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:  # holds inproc's one thread throughout
+        pass
+    return "computed"
+
+
+def late_result():
+    out = None
+    if mf.rank() == 0:
+        h = mf.remote_action(1, computes, 0.3)
+        try:
+            h.wait(timeout=0.05)
+            out = "no timeout"
+        except mf.TimeoutError as e:
+            out = str(e)
+        out = (out, h.wait(timeout=0.05))  # now it is here
+    mf.barrier()
+    return out
+
+
+def test_a_result_that_comes_after_the_deadline_is_a_timeout_in_one_process():
+    # inproc: the wait cannot end while the handler computes; it ends with it
+    text, value = mf.spmd(late_result, n=2, transport="inproc")[0]
+    assert "remote action computes on context 1: not done after 0.05 s" in text
+    assert value == "computed"
 
 
 def busy_owner():
