@@ -424,6 +424,56 @@ def test_a_context_that_never_joins_a_collective_is_reported_not_a_hang(transpor
         mf.spmd(failing, n=3, transport=transport)
 
 
+@mf.persistent
+class Notes:
+    def __init__(self):
+        self.seen = {}
+
+    def note(self, rank, text):
+        self.seen[rank] = text
+
+    def all(self):
+        return self.seen
+
+
+def exits_on_one(notes, code):
+    if mf.rank() == 1:
+        sys.exit(code)
+    try:
+        mf.barrier()
+    except mf.CollectiveError as e:
+        notes.note(mf.rank(), str(e)).result()
+        raise
+
+
+def test_sys_exit_in_one_context_fails_the_run_and_names_it(transport):
+    with mf.init(contexts=3, transport=transport):
+        notes = Notes.create(on=0)
+        with pytest.raises(mf.MacroflowError) as e:
+            mf.spmd(exits_on_one, notes, 3)
+        assert type(e.value) is mf.MacroflowError
+        assert "context 1's SPMD function exits_on_one called sys.exit(3)" in str(e.value)
+        assert type(e.value.__cause__) is SystemExit and e.value.__cause__.code == 3
+        seen = notes.all().result()
+        assert sorted(seen) == [0, 2]  # the others' barrier failed at once, naming it
+        assert all("context 1 failed in its SPMD function (SystemExit: 3)" in text
+                   for text in seen.values())
+        with pytest.raises(mf.MacroflowError, match=r"exits_on_one called sys.exit\(\)"):
+            mf.spmd(exits_on_one, notes, None)  # raise SystemExit, no code
+        assert mf.spmd(mf.rank) == [0, 1, 2]  # the computation goes on
+
+
+def interrupted():
+    if mf.rank() == 1:
+        raise KeyboardInterrupt
+    mf.barrier()
+
+
+def test_ctrl_c_in_a_context_is_not_taken_for_a_failure_of_the_run():
+    with pytest.raises(KeyboardInterrupt):
+        mf.spmd(interrupted, n=2, transport="inproc")
+
+
 def late(gate_seconds):
     flag = np.zeros(1)
     ptrs = mf.allgather(mf.register(flag))
