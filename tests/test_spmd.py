@@ -1,5 +1,6 @@
 """Tulip's SPMD model: runs, get/put, remote actions and collectives, on every transport."""
 
+import array
 import os
 import subprocess
 import sys
@@ -345,6 +346,50 @@ def test_bad_arguments_fail_at_the_call():
                   "root must be a rank in 0..0", "timeout must be", "rank must be a context",
                   "handler must be callable", "not registered"):
         assert words in text, words
+
+
+def bytes_like_puts():
+    raw = bytearray(8)
+    small = np.zeros(4, np.uint8)
+    wide = np.zeros(2)
+    ptrs = mf.allgather((mf.register(raw), mf.register(small), mf.register(wide)))
+    errs = {}
+    if mf.rank() == 0:
+        to_raw, to_small, to_wide = ptrs[1]
+        mf.put(to_raw[:4], b"abcd").wait()
+        mf.put(to_raw[4:6], bytearray(b"ef")).wait()
+        mf.put(to_raw[6:], memoryview(b"xgh")[1:]).wait()
+        mf.put(to_small, [1, 2, 3, 4]).wait()
+        mf.put(to_small[1:3], memoryview(b"\x09\x08")).wait()
+        mf.put(to_wide, array.array("d", [0.5, 1.5])).wait()
+        for name, gp, data in [("short", to_raw, b"abc"),
+                               ("raw bytes, wider items", to_wide, bytes(16)),
+                               ("str", to_raw, "abcdefgh"),
+                               ("items of another type", to_small, memoryview(np.zeros(1, np.uint32))),
+                               ("out of range", to_small, [300, 0, 0, 0])]:
+            try:
+                mf.put(gp, data)
+                errs[name] = "accepted"
+            except (TypeError, ValueError) as e:
+                errs[name] = f"{type(e).__name__}: {e}"
+    mf.barrier()
+    return bytes(raw), small.tolist(), wide.tolist(), errs
+
+
+def test_put_takes_bytes_like_data_whose_items_are_the_memorys(transport):
+    res = mf.spmd(bytes_like_puts, n=2, transport=transport)
+    assert res[1][:3] == (b"abcdefgh", [1, 9, 8, 4], [0.5, 1.5])
+    errs = res[0][3]
+    assert errs["short"] == "ValueError: mf.put(): data has 3 elements, the pointer's range [0:8] has 8"
+    assert errs["raw bytes, wider items"].startswith(
+        "TypeError: mf.put(): data is 16 raw bytes, and the pointer's memory holds float64 "
+        "(8 bytes each): put 2 elements of float64 (np.frombuffer(data, dtype=np.float64)")
+    assert errs["str"].startswith("TypeError: mf.put(): data is a str; put bytes (data.encode())")
+    assert errs["items of another type"] == ("TypeError: mf.put(): data has dtype uint32, the "
+                                             "pointer's memory holds uint8 (no conversion is made: "
+                                             "convert it first)")
+    assert errs["out of range"].startswith("TypeError: mf.put(): data cannot be made 4 elements "
+                                           "of uint8: Python integer 300 out of bounds")
 
 
 def test_collectives_outside_a_run_say_where_they_belong():
