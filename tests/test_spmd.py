@@ -658,6 +658,33 @@ def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     assert res == [(0, False)] * 2
 
 
+def three_barriers():
+    for _ in range(3):
+        mf.barrier()
+    return mf.rank()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_a_context_that_cannot_make_the_shared_barrier_fails_the_run(monkeypatch, transport):
+    from macroflow.spmd import shmbarrier
+
+    class FailsOnOne(shmbarrier.ShmBarrier):
+        def __init__(self, counters, size, rank):
+            if rank == 1:
+                raise OSError("no mapping here")
+            super().__init__(counters, size, rank)
+
+    monkeypatch.setattr(shmbarrier, "ShmBarrier", FailsOnOne)  # forked contexts inherit it
+    with pytest.raises(mf.CollectiveError) as e:
+        mf.spmd(three_barriers, n=3, transport=transport)
+    assert e.value.missing == [1]
+    assert ("context 1 cannot use the run's barrier counters in shared memory "
+            "(OSError: no mapping here)") in str(e.value)
+    monkeypatch.undo()
+    assert mf.spmd(three_barriers, n=3, transport=transport) == [0, 1, 2]
+
+
 def bcast_against_reduce():
     return mf.broadcast(5) if mf.rank() == 0 else mf.reduce(1)
 
