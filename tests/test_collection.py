@@ -51,6 +51,12 @@ class Cell:
     def missing_key(self):
         return {}["nope"]
 
+    def peek(self, coll, j):
+        return coll[j].times(1).result()  # waits for another element
+
+    def ask(self, coll, j):
+        return coll[j].ask(coll, self.index).result()  # which asks this one back: a cycle
+
 
 class Broken:
     def __init__(self, index):
@@ -248,6 +254,29 @@ def test_every_failing_element_of_a_context_is_named():
     e = mf.run(main, contexts=2, transport="inproc")
     assert str(e) == "Cell element 1, fail_on(): no good at 1"
     assert e.__notes__ == ["fail_on() raised in 2 other element(s) of this context too: 2, 3"]
+
+
+def element_deadlocks():
+    one = mf.Collection(Cell, 2, contexts=1)  # both elements on context 0
+    two = mf.Collection(Cell, 2)  # one on each context
+    out = {}
+    for name, f in [("apply", lambda: one.apply("peek", one, 1)),
+                    ("call", lambda: one[0].peek(one, 1)),
+                    ("cycle", lambda: two[0].ask(two, 1))]:
+        e = f().exception()
+        out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_a_deadlock_between_elements_names_their_class_method_and_index(run):
+    out = run(element_deadlocks, contexts=2)
+    assert out["apply"][0] == out["call"][0] == out["cycle"][0] == "DeadlockError"
+    assert "Cell.peek waits on a call to its own object (Cell.times)" in out["apply"][1]
+    assert "Cell.peek of element 0 waits on a call to its own object (Cell.times)" in out["call"][1]
+    cycle = out["cycle"][1]
+    assert "wait cycle: " in cycle
+    assert "Cell.ask of element 0 (context 0)" in cycle and "Cell.ask of element 1 (context 1)" in cycle
+    assert not any("_Host" in text for _, text in out.values())
 
 
 def bad_arguments():

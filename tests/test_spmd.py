@@ -1,9 +1,11 @@
 """Tulip's SPMD model: runs, get/put, remote actions and collectives, on every transport."""
 
+import array
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -260,9 +262,66 @@ def poll_loop():
 
 
 def test_poll_in_a_compute_loop_runs_remote_actions(transport):
-    if transport == "inproc":
-        pytest.skip("one process: the polling loop holds the only thread")
+    # (inproc too: a polling loop lets the other contexts of the process run)
     assert mf.spmd(poll_loop, n=2, transport=transport) == ["set", "saw it"]
+
+
+def released_by_flag(gp):
+    while mf.get(gp).wait()[0] == 0.0:  # runs until context 0 sets the flag
+        mf.poll()
+    return "released"
+
+
+def wait_times_out():
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    out = None
+    if mf.rank() == 0:
+        h = mf.remote_action(1, released_by_flag, ptrs[1])
+        try:
+            h.wait(timeout=0.1)
+            text = "no timeout"
+        except mf.TimeoutError as e:
+            text = str(e)
+        pending = not h.done()
+        mf.put(ptrs[1], 1.0).wait()
+        out = (text, pending, h.wait(timeout=60))
+    mf.barrier()
+    return out
+
+
+def test_waiting_for_a_remote_action_that_goes_on_times_out(transport):
+    text, pending, value = mf.spmd(wait_times_out, n=2, transport=transport)[0]
+    assert "remote action released_by_flag on context 1: not done after 0.1 s" in text
+    assert pending and value == "released"  # the action went on, and a later wait gets it
+
+
+def computes(seconds):
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:  # holds inproc's one thread throughout
+        pass
+    return "computed"
+
+
+def late_result():
+    out = None
+    if mf.rank() == 0:
+        h = mf.remote_action(1, computes, 0.3)
+        try:
+            h.wait(timeout=0.05)
+            out = "no timeout"
+        except mf.TimeoutError as e:
+            out = str(e)
+        out = (out, h.wait(timeout=0.05))  # now it is here
+    mf.barrier()
+    return out
+
+
+def test_a_result_that_comes_after_the_deadline_is_a_timeout_in_one_process():
+    # inproc: the wait cannot end while the handler computes; it ends with it
+    text, value = mf.spmd(late_result, n=2, transport="inproc")[0]
+    assert "remote action computes on context 1: not done after 0.05 s" in text
+    assert value == "computed"
 
 
 def busy_owner():
@@ -386,6 +445,50 @@ def test_bad_arguments_fail_at_the_call():
         assert words in text, words
 
 
+def bytes_like_puts():
+    raw = bytearray(8)
+    small = np.zeros(4, np.uint8)
+    wide = np.zeros(2)
+    ptrs = mf.allgather((mf.register(raw), mf.register(small), mf.register(wide)))
+    errs = {}
+    if mf.rank() == 0:
+        to_raw, to_small, to_wide = ptrs[1]
+        mf.put(to_raw[:4], b"abcd").wait()
+        mf.put(to_raw[4:6], bytearray(b"ef")).wait()
+        mf.put(to_raw[6:], memoryview(b"xgh")[1:]).wait()
+        mf.put(to_small, [1, 2, 3, 4]).wait()
+        mf.put(to_small[1:3], memoryview(b"\x09\x08")).wait()
+        mf.put(to_wide, array.array("d", [0.5, 1.5])).wait()
+        for name, gp, data in [("short", to_raw, b"abc"),
+                               ("raw bytes, wider items", to_wide, bytes(16)),
+                               ("str", to_raw, "abcdefgh"),
+                               ("items of another type", to_small, memoryview(np.zeros(1, np.uint32))),
+                               ("out of range", to_small, [300, 0, 0, 0])]:
+            try:
+                mf.put(gp, data)
+                errs[name] = "accepted"
+            except (TypeError, ValueError) as e:
+                errs[name] = f"{type(e).__name__}: {e}"
+    mf.barrier()
+    return bytes(raw), small.tolist(), wide.tolist(), errs
+
+
+def test_put_takes_bytes_like_data_whose_items_are_the_memorys(transport):
+    res = mf.spmd(bytes_like_puts, n=2, transport=transport)
+    assert res[1][:3] == (b"abcdefgh", [1, 9, 8, 4], [0.5, 1.5])
+    errs = res[0][3]
+    assert errs["short"] == "ValueError: mf.put(): data has 3 elements, the pointer's range [0:8] has 8"
+    assert errs["raw bytes, wider items"].startswith(
+        "TypeError: mf.put(): data is 16 raw bytes, and the pointer's memory holds float64 "
+        "(8 bytes each): put 2 elements of float64 (np.frombuffer(data, dtype=np.float64)")
+    assert errs["str"].startswith("TypeError: mf.put(): data is a str; put bytes (data.encode())")
+    assert errs["items of another type"] == ("TypeError: mf.put(): data has dtype uint32, the "
+                                             "pointer's memory holds uint8 (no conversion is made: "
+                                             "convert it first)")
+    assert errs["out of range"].startswith("TypeError: mf.put(): data cannot be made 4 elements "
+                                           "of uint8: Python integer 300 out of bounds")
+
+
 def test_collectives_outside_a_run_say_where_they_belong():
     with mf.init(contexts=1, transport="inproc"):
         with pytest.raises(RuntimeError, match="function of an SPMD run"):
@@ -461,6 +564,56 @@ def test_a_context_that_never_joins_a_collective_is_reported_not_a_hang(transpor
     # the failing context's own error is raised, not the others' consequence
     with pytest.raises(KeyError, match="boom on 1"):
         mf.spmd(failing, n=3, transport=transport)
+
+
+@mf.persistent
+class Notes:
+    def __init__(self):
+        self.seen = {}
+
+    def note(self, rank, text):
+        self.seen[rank] = text
+
+    def all(self):
+        return self.seen
+
+
+def exits_on_one(notes, code):
+    if mf.rank() == 1:
+        sys.exit(code)
+    try:
+        mf.barrier()
+    except mf.CollectiveError as e:
+        notes.note(mf.rank(), str(e)).result()
+        raise
+
+
+def test_sys_exit_in_one_context_fails_the_run_and_names_it(transport):
+    with mf.init(contexts=3, transport=transport):
+        notes = Notes.create(on=0)
+        with pytest.raises(mf.MacroflowError) as e:
+            mf.spmd(exits_on_one, notes, 3)
+        assert type(e.value) is mf.MacroflowError
+        assert "context 1's SPMD function exits_on_one called sys.exit(3)" in str(e.value)
+        assert type(e.value.__cause__) is SystemExit and e.value.__cause__.code == 3
+        seen = notes.all().result()
+        assert sorted(seen) == [0, 2]  # the others' barrier failed at once, naming it
+        assert all("context 1 failed in its SPMD function (SystemExit: 3)" in text
+                   for text in seen.values())
+        with pytest.raises(mf.MacroflowError, match=r"exits_on_one called sys.exit\(\)"):
+            mf.spmd(exits_on_one, notes, None)  # raise SystemExit, no code
+        assert mf.spmd(mf.rank) == [0, 1, 2]  # the computation goes on
+
+
+def interrupted():
+    if mf.rank() == 1:
+        raise KeyboardInterrupt
+    mf.barrier()
+
+
+def test_ctrl_c_in_a_context_is_not_taken_for_a_failure_of_the_run():
+    with pytest.raises(KeyboardInterrupt):
+        mf.spmd(interrupted, n=2, transport="inproc")
 
 
 def late(gate_seconds):
@@ -600,6 +753,33 @@ def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
     res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")
     assert res == [(0, False)] * 2
+
+
+def three_barriers():
+    for _ in range(3):
+        mf.barrier()
+    return mf.rank()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_a_context_that_cannot_make_the_shared_barrier_fails_the_run(monkeypatch, transport):
+    from macroflow.spmd import shmbarrier
+
+    class FailsOnOne(shmbarrier.ShmBarrier):
+        def __init__(self, counters, size, rank):
+            if rank == 1:
+                raise OSError("no mapping here")
+            super().__init__(counters, size, rank)
+
+    monkeypatch.setattr(shmbarrier, "ShmBarrier", FailsOnOne)  # forked contexts inherit it
+    with pytest.raises(mf.CollectiveError) as e:
+        mf.spmd(three_barriers, n=3, transport=transport)
+    assert e.value.missing == [1]
+    assert ("context 1 cannot use the run's barrier counters in shared memory "
+            "(OSError: no mapping here)") in str(e.value)
+    monkeypatch.undo()
+    assert mf.spmd(three_barriers, n=3, transport=transport) == [0, 1, 2]
 
 
 def bcast_against_reduce():

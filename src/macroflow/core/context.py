@@ -1287,9 +1287,13 @@ class Engine:
         has arrived for one round. Returns how many messages were served."""
         served = self.poll()
         call = getattr(getcurrent(), "call", None)
-        if call is not None and self.inbox and \
+        if call is not None and (self.inbox or self.driver is not self) and \
                 getattr(self.call_kinds.get(call.kind), "yields_on_poll", False):
-            self.yield_now()
+            if self.inbox:
+                self.yield_now()
+            elif self.driver.pending():
+                # inproc: the other contexts share this thread; they run only if it yields
+                self.yield_now(after_round=True)
         return served
 
     def run_pollers(self) -> bool:
@@ -1302,17 +1306,22 @@ class Engine:
                 done = True
         return done
 
-    def yield_now(self) -> None:
+    def yield_now(self, after_round: bool = False) -> None:
         """From a lightweight thread: let the engine serve what has arrived,
-        for one round, then go on (elsewhere, nothing happens)."""
+        for one round, then go on (elsewhere, nothing happens). With
+        ``after_round``, the driver shared with other engines (inproc) lets
+        them all have a turn first."""
         if self.user and self.serving != _get_ident():
-            return self._from_user(self.yield_now)
+            return self._from_user(self.yield_now, after_round)
         w = getcurrent()
         if isinstance(w, Worker) and w.engine is self:
-            # a timer due now, not the ready queue: the engine may be resuming
-            # ready threads, and would resume this one before the inbox; its
-            # timers come after both
-            self.add_timer(0.0, Waiter(self, w))
+            if after_round:
+                self.driver.after_round(Waiter(self, w))
+            else:
+                # a timer due now, not the ready queue: the engine may be resuming
+                # ready threads, and would resume this one before the inbox; its
+                # timers come after both
+                self.add_timer(0.0, Waiter(self, w))
             self.park()
 
     def serve_arrived(self) -> int:

@@ -416,15 +416,24 @@ class ObjectCalls(_HostedKind):
         self.host._pump(obj)
 
     def label(self, call: Call) -> str:
-        if call.obj is not None:
-            return f"{call.obj.label}.{call.method}"
+        obj = call.obj
+        if obj is not None:
+            # a class may name its calls in its users' terms (a collection's
+            # host names the element's method): __mf_call_label__(self, method, args)
+            name = getattr(obj.cls, "__mf_call_label__", None)
+            if name is not None and obj.instance is not None:
+                try:
+                    return name(obj.instance, call.method, call.args)
+                except Exception:
+                    pass
+            return f"{obj.label}.{call.method}"
         return str(call.method)
 
     def check_wait(self, call: Call, f: Any) -> None:
         obj = call.obj
         if obj is not None and f._target == obj.oid:
             raise errors.DeadlockError(
-                f"{obj.label}.{call.method} waits on a call to its own object "
+                f"{self.label(call)} waits on a call to its own object "
                 f"({site_label(f._site) or 'a method'}); a persistent object runs one method at a "
                 f"time, so that call can never start. Return the future instead "
                 f"(elaboration) or restructure the method.")

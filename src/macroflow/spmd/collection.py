@@ -34,7 +34,8 @@ from ..core.context import MISSING, current_engine
 from ..core.errors import CallError
 from ..core.future import Future, current_engine_of
 from ..objects.methods import constructor_info, method_info
-from ..objects.persistent import PersistentHandle, destroy, persistent, regular
+from ..objects.hosting import PERSISTENT
+from ..objects.persistent import PersistentHandle, _engine_of, destroy, persistent, regular
 from .onesided import MemoryPointer, register, unregister
 
 DISTRIBUTIONS = ("block", "cyclic")
@@ -155,6 +156,29 @@ class _Host:
                 _tag(e, _label(cls, index, "constructor"))
                 raise
 
+    def __mf_call_label__(self, method: str, args: tuple) -> str:
+        """What a call of this host does, in the element class's terms (for
+        errors such as a DeadlockError's, which would otherwise name _Host).
+
+        Example:
+            >>> class Cell:
+            ...     def __init__(self, index): pass
+            >>> h = _Host(Cell, (2, 3), "block", 1, 0, ())
+            >>> h.__mf_call_label__("call", (4, "step", (), {})), h.__mf_call_label__("apply", ("step",))
+            ('Cell.step of element (1, 1)', 'Cell.step')
+        """
+        cls = self.cls.__qualname__
+        if method == "call":
+            return f"{cls}.{args[1]} of element {_unflatten(args[0], self.shape)}"
+        if method == "apply":
+            what = args[0] if isinstance(args[0], str) else getattr(args[0], "__qualname__", "fn")
+            return f"{cls}.{what}" if isinstance(args[0], str) else f"{what} on {cls} elements"
+        if method == "map_blocks":
+            return f"map_blocks({getattr(args[0], '__qualname__', 'fn')}) on {cls} elements"
+        if method == "pointer":
+            return f"{cls} element {_unflatten(args[0], self.shape)}'s pointer to .{args[1]}"
+        return f"{cls} elements' {method}"
+
     def _items(self) -> Iterator[Tuple[Index, Any]]:
         shape = self.shape
         return ((_unflatten(k, shape), el) for k, el in self.elements.items())
@@ -266,7 +290,12 @@ class _ElementHandle:
 
         def remote(*args: Any, **kwargs: Any) -> Future:
             info.check(args, kwargs)
-            return coll._host(k).call(k, name, args, kwargs)
+            host = coll._host(k)
+            # the element's method is the call site (not _Host.call): futures
+            # and errors name it, and eager routing learns per element method
+            return _engine_of(host).issue(PERSISTENT, (host._oid,), "call",
+                                          (k, name, args, kwargs), {}, host._ctx, site=info,
+                                          oid=host._oid)
 
         remote.__name__ = name
         return remote

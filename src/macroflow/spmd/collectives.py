@@ -289,7 +289,17 @@ class Collective:
         run.colls.pop(self.seq, None)
         if self.kind == "barrier":
             if run.shm is _UNKNOWN and self.op is _min:
-                run.shm = _shared(run) if value == 1 else None
+                try:
+                    run.shm = _shared(run) if value == 1 else None
+                except errors.CollectiveError as e:
+                    # the others go on in shared memory: this context cannot
+                    # join them, so the run's collectives fail here (and, when
+                    # its function fails, everywhere) rather than hang
+                    run.shm = None
+                    run.failed = e
+                    for c in [self, *run.colls.values()]:
+                        c.fail(e)
+                    return
             value = None
         self.future._set(True, value)
 
@@ -299,11 +309,19 @@ class Collective:
 
 
 def _shared(run: Run) -> Any:
-    from .shmbarrier import ShmBarrier
+    """The run's barrier in shared memory, once every context said it can map
+    the counters; CollectiveError if this context cannot make it after all
+    (the others would then wait in shared memory for a context that does not
+    come there)."""
+    from . import shmbarrier
     try:
-        return ShmBarrier(run.counters, run.size, run.rank)
-    except (OSError, RuntimeError, ValueError):
-        return None  # every context agreed: it cannot fail here but by a bug
+        return shmbarrier.ShmBarrier(run.counters, run.size, run.rank)
+    except Exception as e:
+        raise errors.CollectiveError(
+            f"mf.barrier(): context {run.rank} cannot use the run's barrier counters in shared "
+            f"memory ({type(e).__name__}: {e}), which the other contexts use from now on, so "
+            f"the run's collectives cannot go on (MACROFLOW_SHM_BARRIER=0 keeps every barrier "
+            f"on messages)", missing=[run.rank]) from e
 
 
 def _spin(run: Run) -> float:

@@ -42,12 +42,13 @@ import itertools
 import os
 import pickle
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
-from ..core.context import (Call, CallKind, Engine, Model, current_engine, register,
-                            register_model)
+from ..core.context import (Call, CallKind, Engine, Model, check_timeout, current_engine,
+                            register, register_model)
 from ..core.future import FINISHED, Future
 from ..core.threads import getcurrent
 
@@ -115,12 +116,13 @@ class Handle:
         [(True, array([0., 1., 2., 3.]))]
     """
 
-    __slots__ = ("_eng", "_f", "_what")
+    __slots__ = ("_eng", "_f", "_what", "_arrived")
 
     def __init__(self, eng: Engine, f: Any, what: Any):
         self._eng = eng
         self._f = f
         self._what = what
+        self._arrived: Optional[List[float]] = None  # when the result came, for a timed wait
 
     def test(self) -> bool:
         """Serve what has arrived, then say whether the operation is done.
@@ -160,7 +162,10 @@ class Handle:
 
         Raises:
             macroflow.TimeoutError: not done after ``timeout`` seconds (the
-                operation goes on).
+                operation goes on: wait again for it). Its result reaching
+                this context only after the deadline counts as late too: on
+                ``inproc``, where a handler that computes holds the one
+                thread, the wait ends when it does, and raises this.
             macroflow.ContextLost: the context it needed ended.
 
         Example:
@@ -170,7 +175,27 @@ class Handle:
             >>> mf.spmd(main, n=2, transport="inproc")
             [1024, 1024]
         """
-        return self._f.result(timeout)
+        f = self._f
+        if timeout is None or f._state == FINISHED:
+            return f.result(timeout)
+        timeout = check_timeout(timeout)
+        if timeout is None:  # math.inf
+            return f.result()
+        deadline = time.monotonic() + timeout
+        arrived = self._arrived
+        if arrived is None:  # once per handle, however often it is waited for
+            arrived = self._arrived = []
+            engine_side(self._eng, f.add_done_callback,
+                        lambda _: arrived.append(time.monotonic()))
+        try:
+            f.exception(timeout)
+            late = bool(arrived) and arrived[0] > deadline
+        except errors.TimeoutError:
+            late = True
+        if late:
+            raise errors.TimeoutError(f"{describe(self._what)}: not done after {timeout} s "
+                                      f"(it goes on: wait again for it)") from None
+        return f.result()
 
     def __repr__(self) -> str:
         state = "done" if self._f._state == FINISHED else "pending"

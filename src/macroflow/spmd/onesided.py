@@ -314,7 +314,11 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
     Args:
         gp: where to write.
         data: ``len(gp)`` elements of ``gp.dtype``: an array of that dtype
-            (any shape), or numbers and sequences numpy converts to it.
+            (any shape), any bytes-like object (``bytes``, ``bytearray``,
+            ``memoryview``, ``array.array``) whose items are of that type,
+            raw bytes if the memory's items are one byte each (registered
+            from a ``bytearray`` or a ``uint8`` array), or numbers and
+            sequences numpy converts to it.
 
     Raises:
         TypeError, ValueError: ``data`` has another dtype or size, or the
@@ -331,20 +335,56 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
         ...     return mine
         >>> mf.spmd(main, n=2, transport="inproc")
         [array([0., 0., 0., 0.]), array([0., 7., 8., 0.])]
+        >>> def text():
+        ...     mine = bytearray(5)
+        ...     mf.put(mf.register(mine), b"hello").wait()
+        ...     return bytes(mine)
+        >>> mf.spmd(text, n=1, transport="inproc")
+        [b'hello']
     """
     eng = _engine(gp, "put")
     dt = gp.dtype
     if isinstance(data, np.ndarray):
         arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)
+    elif isinstance(data, str):
+        raise TypeError(f"mf.put(): data is a str; put bytes (data.encode()) into memory of "
+                        f"1-byte items, or {len(gp)} elements of {dt}")
     else:
         try:
-            arr = np.asarray(data, dtype=dt)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"mf.put(): data cannot be made {len(gp)} elements of {dt}: "
-                            f"{e}") from None
+            view: Optional[memoryview] = memoryview(data)
+        except TypeError:
+            view = None
+        if view is not None:
+            arr = _from_buffer(view, gp)
+        else:
+            try:
+                arr = np.asarray(data, dtype=dt)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise TypeError(f"mf.put(): data cannot be made {len(gp)} elements of {dt}: "
+                                f"{e}") from None
     _check_array(arr, gp, "put", "data")
     return _transfer(eng, gp, "put", _bytes(arr), None)
 
+
+
+def _from_buffer(view: memoryview, gp: MemoryPointer) -> np.ndarray:
+    """A bytes-like object's items as an array, for a put into ``gp``: raw
+    bytes become the memory's items when those are one byte each; items of
+    another type are not converted (the caller's dtype check refuses them)."""
+    dt = gp.dtype
+    try:
+        arr = np.asarray(view)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"mf.put(): data's buffer (format {view.format!r}) is not one numpy "
+                        f"reads: {e}; put an array of {dt}") from None
+    if view.format.lstrip("@=<>!") in ("B", "b", "c"):  # raw bytes
+        if dt.itemsize != 1:
+            raise TypeError(f"mf.put(): data is {view.nbytes} raw bytes, and the pointer's "
+                            f"memory holds {dt} ({dt.itemsize} bytes each): put {len(gp)} "
+                            f"elements of {dt} (np.frombuffer(data, dtype=np.{dt.name}) reads "
+                            f"bytes laid out as {dt})")
+        arr = np.ascontiguousarray(arr).view(dt)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,

@@ -36,7 +36,10 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
 
     Raises:
         The error of the context that failed first in rank order (an error
-        that only followed from another context's is not chosen over it).
+        that only followed from another context's is not chosen over it);
+        for a context whose function called ``sys.exit()``, a
+        :class:`macroflow.MacroflowError` that names it (the caller does not
+        exit).
 
     Example:
         >>> import macroflow as mf
@@ -89,6 +92,10 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
             results.append(value)
             # a context that caught a collective's error knows the run went wrong
             called.append(None if caught else (entered, signature))
+        except SystemExit as e:
+            # a context's sys.exit() is that context's failure, not the caller's exit
+            failures.append((r, _exited(r, fn, e)))
+            results.append(None)
         except Exception as e:
             failures.append((r, e))
             results.append(None)
@@ -106,6 +113,21 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
                 f"context {r} entered {c[0]} (signature {c[1]:08x})" for r, c in enumerate(called)),
             missing=[])
     return results
+
+
+def _exited(rank: int, fn: Callable[..., Any], e: SystemExit) -> errors.MacroflowError:
+    """The error mf.spmd raises for a context whose function called sys.exit().
+
+    Example:
+        >>> print(_exited(1, len, SystemExit(3)))
+        context 1's SPMD function len called sys.exit(3): a run's function returns or raises; the run failed
+    """
+    how = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    err = errors.MacroflowError(f"context {rank}'s SPMD function {name} called {how}: "
+                                f"a run's function returns or raises; the run failed")
+    err.__cause__ = e
+    return err
 
 
 def rank() -> int:

@@ -75,23 +75,75 @@ class World:
         self.transports: Dict[int, InprocTransport] = {}
         self.engines: List[object] = []
         self.probed: tuple = ()  # the waits last probed for a cycle when all stalled
+        self.driving = 0  # run_until calls in progress
+        self.yielded: List[object] = []  # Waiters of polling threads, woken after a round
+
+    def pending(self) -> bool:
+        """Whether some context has something to do now: messages, threads
+        ready to go on, or a timer due. A polling loop yields to them.
+
+        Example:
+            >>> World().pending()
+            False
+        """
+        now = time.monotonic()
+        return any(e.busy() or (e.timers and e.timers[0][0] <= now)  # type: ignore[attr-defined]
+                   for e in self.engines)
+
+    def after_round(self, waiter) -> None:
+        """Wake ``waiter`` once every context with something to do has had a
+        turn: a polling thread would otherwise hold the one thread. Outside
+        :meth:`run_until`, at the waiter's engine's next step.
+
+        Example:
+            >>> class Eng:
+            ...     timers = []
+            >>> class W:
+            ...     engine = Eng()
+            >>> World().after_round(W()); len(Eng.timers)
+            1
+        """
+        if self.driving:
+            self.yielded.append(waiter)
+        else:
+            import heapq
+            heapq.heappush(waiter.engine.timers, (time.monotonic(), id(waiter), waiter))
+
+    def _wake_yielded(self) -> None:
+        waiters, self.yielded = self.yielded, []
+        for w in waiters:
+            w.wake(None)  # type: ignore[attr-defined]
 
     def run_until(self, pred, deadline: Optional[float] = None) -> bool:
+        self.driving += 1
+        try:
+            return self._run_until(pred, deadline)
+        finally:
+            self.driving -= 1
+            self._wake_yielded()  # ready threads: whoever drives next resumes them
+
+    def _run_until(self, pred, deadline: Optional[float]) -> bool:
         while not pred():
             # every context shares this thread: a call that computes delays the
             # deadline by its length, but no new one starts once it has passed
             if deadline is not None and time.monotonic() >= deadline:
                 return pred()
             progressed = False
+            now = time.monotonic()
             for eng in self.engines:
                 eng.flush_releases()  # type: ignore[attr-defined]
-                if eng.busy():  # type: ignore[attr-defined]
+                # a timer that is due gets its turn too: a thread may poll forever
+                if eng.busy() or (eng.timers  # type: ignore[attr-defined]
+                                  and eng.timers[0][0] <= now):  # type: ignore[attr-defined]
                     eng.stop_at = deadline  # type: ignore[attr-defined]
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     finally:
                         eng.stop_at = None  # type: ignore[attr-defined]
                     progressed = True
+            if self.yielded:
+                self._wake_yielded()
+                continue
             if progressed:
                 continue
             # Stalled. Method threads that wait may be in a wait cycle: probe
