@@ -560,3 +560,28 @@ def test_the_page_of_a_rank_that_ended_without_closing_is_removed_by_the_next_on
     finally:
         gone.close()
         alive.close()
+
+
+SIGTERMED = """
+    import sys, time
+    import macroflow as mf
+    with mf.init(contexts=2, transport="mpi"):
+        open(sys.argv[1], "w").write("started")
+        time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_a_program_that_spawned_ranks_in_order_and_spares_its_process_group(tmp_path):
+    # a shell leads a process group of its own and starts the program in it, as
+    # a script does; killed outright, the program would leave MPICH's process
+    # manager to kill the whole group, the shell included
+    script, flag = tmp_path / "job.py", tmp_path / "started"
+    script.write_text(textwrap.dedent(SIGTERMED))
+    shell = (f'"{sys.executable}" "{script}" "{flag}" & P=$!; '
+             f'while [ ! -s "{flag}" ]; do sleep 0.05; done; '
+             f'kill -TERM $P; wait $P; echo "rc=$?"; echo alive')
+    p = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=100,
+                       env=_env(), start_new_session=True)
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert p.stdout.split() == ["rc=143", "alive"], p.stderr

@@ -67,6 +67,7 @@ import os
 import pickle
 import shutil
 import signal
+import threading
 import socket
 import struct
 import sys
@@ -1520,6 +1521,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             release: List[Any] = []
         else:
             self.spawned = True
+            self._take_sigterm()
             # spawned ranks are fresh interpreters: what this process's
             # __main__ defines travels by value
             marshal._main_snapshot = {}
@@ -1642,10 +1644,30 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             t._progress()
             time.sleep(0.001)
 
+    def _take_sigterm(self) -> None:
+        """Make SIGTERM end this process in order (SystemExit(143) in the main
+        thread: the computation closes, MPI finalizes), unless the program
+        handles SIGTERM itself. Killed outright, a process that spawned ranks
+        leaves MPICH's process manager to end the job by killing its process
+        group: the shell that started the program, when it shares the group."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+
+        def terminated(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, terminated)
+        self._sigterm = terminated
+
     def stop(self) -> None:
         try:
             self._stop()
         finally:
+            if getattr(self, "_sigterm", None) is not None:
+                if signal.getsignal(signal.SIGTERM) is self._sigterm:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._sigterm = None
             # the shared pages of ranks that did not close their transport
             # (killed, or ended by MPI_Abort): nobody else would remove them
             import glob
