@@ -136,7 +136,9 @@ class Collective:
                 self.fail(_never_joins(self, rank, entered))
                 return
         natives = self.model.natives(run)
-        if natives is not None and natives.can(self.kind, self.value, self.opname):
+        # a barrier in shared memory beats MPI's where the run offers one (see _start)
+        shared = self.kind == "barrier" and run.offered and run.shm is not None
+        if natives is not None and not shared and natives.can(self.kind, self.value, self.opname):
             self.start_native(natives)
             return
         if self.kind == "barrier":
