@@ -323,9 +323,11 @@ class Fetcher:
                 raise RuntimeError(f"the hand-coded server exited with status {code}")
 
 
-def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> Any:
+def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool,
+             batch: int = 0) -> Any:
     """Figure 1's SPMD function (2 contexts): context 1 owns the memory and
-    polls; context 0 times gets of each size, the two kinds alternating."""
+    polls; context 0 times gets of each size, each kind in a block of its own
+    (after its warm-up), the kinds' order rotating with ``batch``."""
     me, cap = mf.rank(), max(sizes)
     flag = np.zeros(1)
     mine = {}
@@ -357,10 +359,16 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> An
     clock = time.perf_counter_ns
     get = mf.get
     samples: Dict[str, List[List[int]]] = {k: [] for k in pointers}
+    kinds = list(pointers)
+    kinds = kinds[batch % len(kinds):] + kinds[:batch % len(kinds)]
     for s, k in zip(sizes, iters):
         o = out[:s]
-        for kind, gp in pointers.items():
-            g = gp[:s]
+        row: Dict[str, List[int]] = {}
+        # a block per kind: interleaved, a kind that moves the bytes another
+        # way (a socket, the kernel's copy) leaves the caches to the next one
+        # in a state the plain copy it is compared with never sees
+        for kind in kinds:
+            g = pointers[kind][:s]
             model.onesided = ROW_PATHS[kind]
             if check:
                 o[:] = 0
@@ -369,14 +377,11 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool) -> An
                     raise RuntimeError(f"mf.get ({kind}) of {size_label(s)} read wrong bytes")
             for _ in range(warmup):
                 get(g, out=o).wait()
-        row = {kind: [] for kind in pointers}
-        for i in range(k):  # the two kinds alternate, a moment apart
-            for kind, gp in pointers.items():
-                g = gp[:s]
-                model.onesided = ROW_PATHS[kind]
+            times = row[kind] = []
+            for _ in range(k):
                 t = clock()
                 get(g, out=o).wait()
-                row[kind].append(clock() - t)
+                times.append(clock() - t)
         for kind in pointers:
             samples[kind].append(row[kind])
     model.onesided = "direct"
@@ -454,7 +459,7 @@ def _get_worker(transport: str, cfg: Config, sizes: Sequence[int]) -> Dict[str, 
             order = rows[b % len(rows):] + rows[:b % len(rows)]
             for row in order:
                 if row == "get":
-                    got = mf.spmd(_get_run, sizes, iters, cfg.warmup, b == 0)[0]
+                    got = mf.spmd(_get_run, sizes, iters, cfg.warmup, b == 0, b)[0]
                     for kind, samples in got.items():
                         per_batch[kind].append(samples)
                 elif row == "two_sided":
