@@ -185,11 +185,13 @@ class Collective:
         the context that completes the barrier sends a WAKE."""
         epoch = shm.arrive()
         if shm.complete(epoch):  # the last to arrive: wake those that sleep
-            for r in shm.sleepers(epoch):
-                if r != self.run.rank:
-                    self.send_wake(r)
+            _wake_sleepers(self.model, self.run, shm, epoch, self.seq)
             self.complete(None)
             return
+        self.wait_shared(shm, epoch)
+
+    def wait_shared(self, shm: Any, epoch: int) -> None:
+        """The rest of :meth:`start_shared`, once this context has arrived."""
         self.epoch = epoch
         spin = _spin(self.run)
         until = time.monotonic() + spin
@@ -212,12 +214,6 @@ class Collective:
             self.model.eng.add_poller(poll, spin=spin)
         else:
             poll()
-
-    def send_wake(self, dest: int) -> None:
-        try:
-            self.model.send(dest, (WAKE, self.run.ident, self.seq))
-        except ConnectionError:
-            pass
 
     def message(self, src: int, msg: tuple) -> None:
         _, _, seq, kind, phase, payload, root = msg
@@ -310,6 +306,17 @@ class Collective:
         self.future._set(False, exc)
 
 
+def _wake_sleepers(model: SpmdModel, run: Run, shm: Any, epoch: int, seq: int) -> None:
+    """This context completed barrier ``epoch`` (collective ``seq`` of the
+    run): wake the contexts that sleep in it."""
+    for r in shm.sleepers(epoch):
+        if r != run.rank:
+            try:
+                model.send(r, (WAKE, run.ident, seq))
+            except ConnectionError:
+                pass
+
+
 def _shared(run: Run) -> Any:
     """The run's barrier in shared memory, once every context said it can map
     the counters; CollectiveError if this context cannot make it after all
@@ -384,21 +391,57 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
 def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any,
            root: int, opname: Optional[str]) -> Collective:
     c = Collective(model, run, kind, name, value, op, root, opname)
+    _entered(model, run, kind, root)
+    run.colls[c.seq] = c
+    c.start()
+    return c
+
+
+_SIGNS: dict = {}  # (kind, root) -> what a collective adds to a run's signature
+
+
+def _entered(model: SpmdModel, run: Run, kind: str, root: int) -> None:
     run.entered += 1
     # what this context called, in order: compared between contexts when the run ends
-    run.signature = zlib.crc32(f"{kind}@{root};".encode(), run.signature)
-    run.colls[c.seq] = c
+    sign = _SIGNS.get((kind, root))
+    if sign is None:
+        sign = _SIGNS[(kind, root)] = f"{kind}@{root};".encode()
+    run.signature = zlib.crc32(sign, run.signature)
     model.counts["spmd_collectives"] += 1
-    c.start()
+
+
+def _fast_barrier(model: SpmdModel, run: Run, shm: Any, name: str) -> Optional[Collective]:
+    """A barrier in shared memory that completes within a few looks, with no
+    Collective made (None); else the Collective that waits for it, this
+    context having arrived. Only when nothing is unusual: no failure, no
+    context ended, nothing arrived early for it (the full path handles those)."""
+    seq = run.entered
+    if run.failed is not None or run.ended or seq in run.early:
+        return _begin(model, run, "barrier", name, None, _nothing, 0, None)
+    epoch = shm.arrive()
+    if shm.complete(epoch):  # the last to arrive
+        _entered(model, run, "barrier", 0)
+        _wake_sleepers(model, run, shm, epoch, seq)
+        return None
+    if run.size <= CORES:
+        # the others are often a few microseconds away: parking this thread
+        # and stepping the engine costs more than looking a few times
+        for _ in range(QUICK_LOOKS):
+            if shm.complete(epoch):
+                _entered(model, run, "barrier", 0)
+                return None
+    c = Collective(model, run, "barrier", name, None, _nothing, 0, None)
+    _entered(model, run, "barrier", 0)
+    run.colls[seq] = c
+    c.wait_shared(shm, epoch)
     return c
 
 
 def _wait(c: Collective, timeout: Optional[float]) -> Any:
     if timeout is None:
         timeout = c.run.timeout
-    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{c.name}: timeout must be a number of seconds > 0, or None; "
-                         f"got {timeout!r}")
+    else:
+        _check_timeout(timeout, c.name)
     f = c.future
     quick = c.quick
     if quick is not None and not f._state:
@@ -414,6 +457,12 @@ def _wait(c: Collective, timeout: Optional[float]) -> Any:
         if c.future.done():
             return c.future.result()
     raise _timed_out(c, timeout)
+
+
+def _check_timeout(timeout: Any, name: str) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{name}: timeout must be a number of seconds > 0, or None; "
+                         f"got {timeout!r}")
 
 
 def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
@@ -499,7 +548,18 @@ def barrier(timeout: Optional[float] = None) -> None:
         >>> mf.spmd(main, n=2, transport="inproc")
         [0, 1]
     """
-    _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
+    eng = current_engine()
+    model = model_of(eng)
+    run = model.current_run("mf.barrier()")
+    shm = run.shm
+    if shm is None or shm is _UNKNOWN:
+        _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
+        return
+    if timeout is not None:
+        _check_timeout(timeout, "mf.barrier()")
+    c = engine_side(eng, _fast_barrier, model, run, shm, "mf.barrier()")
+    if c is not None:
+        _wait(c, timeout)
 
 
 def barrier_async() -> Future:
