@@ -143,7 +143,10 @@ def test_every_bar_is_judged_from_its_ratio_and_printed(quick):
     if not MPI_MISSING:
         f2 = res["figure2"]["ratios"]["mpi/MPI_Barrier"]
         got = next(b for b in bars if b["key"] == "barrier_mpi")
-        assert got["value"] == max(f2[str(n)]["synchronised"] for n in tulip.COUNTS)
+        over = res["figure2"]["oversubscribed"]
+        # judged only where every rank has a core of its own
+        assert got["value"] == max(f2[str(n)]["synchronised"] for n in tulip.COUNTS
+                                   if not over[str(n)])
 
 
 def test_a_saved_run_prints_as_markdown(quick):
