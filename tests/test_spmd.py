@@ -785,10 +785,40 @@ def test_a_context_that_cannot_make_the_shared_barrier_fails_the_run(monkeypatch
     with pytest.raises(mf.CollectiveError) as e:
         mf.spmd(three_barriers, n=3, transport=transport)
     assert e.value.missing == [1]
-    assert ("context 1 cannot use the run's barrier counters in shared memory "
-            "(OSError: no mapping here)") in str(e.value)
+    # context 1's own error, not the others' report of it
+    assert str(e.value).startswith("mf.barrier(): context 1 cannot use the run's barrier counters "
+                                   "in shared memory (OSError: no mapping here)")
     monkeypatch.undo()
     assert mf.spmd(three_barriers, n=3, transport=transport) == [0, 1, 2]
+
+
+def catches_its_barrier_failure():
+    try:
+        for _ in range(3):
+            mf.barrier()
+    except mf.CollectiveError as e:
+        return str(e)  # returns normally: the others must not wait for it
+    return mf.rank()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_a_context_that_catches_its_collectives_failure_and_returns_fails_the_others(
+        monkeypatch, transport):
+    from macroflow.spmd import shmbarrier
+
+    class FailsOnOne(shmbarrier.ShmBarrier):
+        def __init__(self, counters, size, rank):
+            if rank == 1:
+                raise OSError("no mapping here")
+            super().__init__(counters, size, rank)
+
+    monkeypatch.setattr(shmbarrier, "ShmBarrier", FailsOnOne)
+    res = mf.spmd(catches_its_barrier_failure, n=3, transport=transport, timeout=10)
+    assert res[1].startswith("mf.barrier(): context 1 cannot use the run's barrier counters")
+    for r in (0, 2):  # told at once, not after the run's timeout
+        assert res[r].startswith("context 1 failed in its SPMD function (CollectiveError "
+                                 "(caught): mf.barrier(): context 1 cannot use"), res[r]
 
 
 def bcast_against_reduce():

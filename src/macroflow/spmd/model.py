@@ -393,6 +393,10 @@ class SpmdModel(Model):
 
     def _end(self, run: Run, failure: Optional[str]) -> None:
         self.by_call.pop(run.call_fid, None)
+        if failure is None and run.failed is not None:
+            # the function caught its collectives' failure and returned: the
+            # others may wait in a collective this context counted as entered
+            failure = f"{type(run.failed).__name__} (caught): {run.failed}"
         natives = None if run.natives is _UNKNOWN or run.natives is None \
             else run.natives.unfinished()
         for r in range(run.size):

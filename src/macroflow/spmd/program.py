@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -101,9 +101,7 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
             results.append(None)
     del counters  # the contexts that mapped them keep their mapping
     if failures:
-        first = next((e for _, e in failures if not isinstance(e, errors.CollectiveError)),
-                     failures[0][1])
-        raise first
+        raise _cause(failures)
     if None not in called and any(c != called[0] for c in called):
         # a collective whose messages crossed (a broadcast against a reduce,
         # different roots) can complete everywhere with wrong values
@@ -113,6 +111,26 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
                 f"context {r} entered {c[0]} (signature {c[1]:08x})" for r, c in enumerate(called)),
             missing=[])
     return results
+
+
+def _cause(failures: List[Tuple[int, BaseException]]) -> BaseException:
+    """The error a failed run raises: a context's own error before the
+    collective errors it caused elsewhere; among collective errors, that of a
+    context the others name as missing (it failed first), else context 0's.
+
+    Example:
+        >>> e1 = errors.CollectiveError("context 1 cannot map the counters", missing=[1])
+        >>> e0 = errors.CollectiveError("context 1 failed in its SPMD function", missing=[1])
+        >>> str(_cause([(0, e0), (1, e1), (2, e0)]))
+        'context 1 cannot map the counters'
+        >>> str(_cause([(0, e0), (2, ValueError("bad"))]))
+        'bad'
+    """
+    for _, e in failures:
+        if not isinstance(e, errors.CollectiveError):
+            return e
+    named = {m for _, e in failures for m in getattr(e, "missing", ())}
+    return next((e for r, e in failures if r in named), failures[0][1])
 
 
 def _exited(rank: int, fn: Callable[..., Any], e: SystemExit) -> errors.MacroflowError:
