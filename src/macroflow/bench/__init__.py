@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 SUITES = ("micro", "peers", "nexus", "baselines", "service", "tulip")
 
@@ -140,6 +140,32 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
     print(f"macroflow bench: unknown suite {suite!r}; choose one of {', '.join(SUITES)}",
           file=sys.stderr)
     return 2
+
+
+def suite_main(module: Any, worker_flags: Sequence[str], argv: Sequence[str]) -> int:
+    """What ``python -m macroflow.bench.<suite>`` does: with one of
+    ``worker_flags``, be a worker of the suite (its ``_worker_main``); with a
+    saved ``.json``, print it as Markdown (its ``markdown``); else run the
+    suite (its ``main``, ``--quick`` for a smoke run). ``module`` is the
+    importable module, not ``__main__``, so that what a worker sends pickles
+    by reference.
+
+    Example:
+        >>> import json, tempfile, types
+        >>> suite = types.SimpleNamespace(markdown=lambda res: f"ran {res['n']}\\n")
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        ...     json.dump({"n": 3}, f)
+        >>> suite_main(suite, ["--worker"], ["prog", f.name])
+        ran 3
+        0
+    """
+    if any(flag in argv for flag in worker_flags):
+        return module._worker_main(list(argv))
+    if len(argv) == 2 and argv[1].endswith(".json"):
+        with open(argv[1]) as f:
+            print(module.markdown(json.load(f)), end="")
+        return 0
+    return module.main(quick="--quick" in argv)
 
 
 def spawn_worker(module: str, args: List[str], timeout_s: float, tag: str,

@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import macroflow as mf
-from macroflow.bench import json_problem, progress_printer, write_json
+from macroflow.bench import json_problem, progress_printer, suite_main, write_json
 
 #: message sizes, in float64 elements: 8 B, 128 B, 1 KiB, 8 KiB, 64 KiB, 512 KiB, 1 MiB
 SIZES = (1, 16, 128, 1024, 8192, 65536, 131072)
@@ -960,11 +960,5 @@ def _worker_main(argv: List[str]) -> int:
 
 if __name__ == "__main__":
     # The importable module, so that the handlers and Bouncer pickle by reference.
-    from macroflow.bench import nexus as _nexus
-    if "--worker" in sys.argv or "--mpi-worker" in sys.argv:
-        sys.exit(_nexus._worker_main(sys.argv))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        with open(sys.argv[1]) as f:
-            print(_nexus.markdown(json.load(f)), end="")
-    else:
-        sys.exit(_nexus.main(quick="--quick" in sys.argv))
+    from macroflow.bench import nexus as _suite
+    sys.exit(suite_main(_suite, ["--worker", "--mpi-worker"], sys.argv))

@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 import macroflow as mf
-from macroflow.bench import progress_printer, spawn_worker, write_json
+from macroflow.bench import progress_printer, spawn_worker, suite_main, write_json
 from macroflow.bench.micro import _fmt as _fmt_number
 
 PEERS = ("ray", "dask", "mpi4py")
@@ -829,11 +829,5 @@ def _worker_main(argv: List[str]) -> int:
 
 if __name__ == "__main__":
     # The importable module, so that classes and functions pickle by reference.
-    from macroflow.bench import peers as _peers
-    if "--worker" in sys.argv:
-        sys.exit(_peers._worker_main(sys.argv))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        with open(sys.argv[1]) as f:
-            print(_peers.markdown(json.load(f)), end="")
-    else:
-        sys.exit(_peers.main(quick="--quick" in sys.argv))
+    from macroflow.bench import peers as _suite
+    sys.exit(suite_main(_suite, ["--worker"], sys.argv))

@@ -59,7 +59,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import macroflow as mf
-from macroflow.bench import json_problem, progress_printer, write_json
+from macroflow.bench import json_problem, progress_printer, suite_main, write_json
 from macroflow.core.context import current_engine
 from macroflow.spmd.model import model_of
 
@@ -1335,11 +1335,5 @@ def _worker_main(argv: List[str]) -> int:
 
 if __name__ == "__main__":
     # The importable module, so that the SPMD functions and handlers pickle by reference.
-    from macroflow.bench import tulip as _tulip
-    if "--worker" in sys.argv or "--mpi-native" in sys.argv:
-        sys.exit(_tulip._worker_main(sys.argv))
-    if len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        with open(sys.argv[1]) as f:
-            print(_tulip.markdown(json.load(f)), end="")
-    else:
-        sys.exit(_tulip.main(quick="--quick" in sys.argv))
+    from macroflow.bench import tulip as _suite
+    sys.exit(suite_main(_suite, ["--worker", "--mpi-native"], sys.argv))
