@@ -616,6 +616,13 @@ def test_ctrl_c_in_a_context_is_not_taken_for_a_failure_of_the_run():
         mf.spmd(interrupted, n=2, transport="inproc")
 
 
+@pytest.mark.timeout(60)
+def test_an_interrupt_raised_in_another_process_ends_that_context_and_says_so():
+    with pytest.raises(mf.ContextLost, match="context 1 was lost: .* after KeyboardInterrupt, "
+                                             "raised in its user code"):
+        mf.spmd(interrupted, n=2, transport="local")
+
+
 def late(gate_seconds):
     flag = np.zeros(1)
     ptrs = mf.allgather(mf.register(flag))

@@ -1494,7 +1494,7 @@ class Engine:
             return
         how = self.describe_lost(peer) or how
         if peer in self.fatal:
-            how = f"{how} after an internal error of its engine:\n{self.fatal[peer]}"
+            how = f"{how} {_after_fatal(self.fatal[peer])}"
         self.lost[peer] = how
         self.stats.contexts_lost += 1
         if peer == 0 and self.id != 0:
@@ -1508,10 +1508,9 @@ class Engine:
         self.lost_queue.append(peer)
 
     def _on_lost(self, peer: int) -> None:
-        if peer in self.fatal and "internal error" not in self.lost[peer]:
+        if peer in self.fatal and self.fatal[peer] not in self.lost[peer]:
             # its FATAL was read in the same poll as its end, and dispatched since
-            self.lost[peer] = f"{self.lost[peer]} after an internal error of its engine:\n" \
-                              f"{self.fatal[peer]}"
+            self.lost[peer] = f"{self.lost[peer]} {_after_fatal(self.fatal[peer])}"
         exc = errors.ContextLost(peer, self.lost[peer])
         self.call_watch.pop(peer, None)
         for model in self.models.values():
@@ -2032,6 +2031,22 @@ register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))
 register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]))
 register(RETIRE_ACK, lambda eng, src, msg: eng._on_retire_ack(src))
 register(LEFT, lambda eng, src, msg: eng.left.add(src))
+
+
+def _after_fatal(trace: str) -> str:
+    """How a context whose engine ended with ``trace`` (a FATAL) was lost.
+
+    Example:
+        >>> _after_fatal("Traceback ...\\nKeyboardInterrupt\\n").splitlines()[0]
+        'after KeyboardInterrupt, raised in its user code (an interrupt ends the context it is raised in):'
+        >>> _after_fatal("Traceback ...\\nRecursionError: deep\\n").splitlines()[0]
+        'after an internal error of its engine:'
+    """
+    last = trace.rstrip().rsplit("\n", 1)[-1]
+    if last.startswith("KeyboardInterrupt"):
+        return (f"after KeyboardInterrupt, raised in its user code (an interrupt ends the "
+                f"context it is raised in):\n{trace}")
+    return f"after an internal error of its engine:\n{trace}"
 
 
 _PROTO, _FRAME, _MARK, _BININT1 = 0x80, 0x95, 0x28, 0x4B
