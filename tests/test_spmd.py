@@ -765,6 +765,30 @@ def test_no_context_leaves_a_barrier_before_every_context_has_entered_it(transpo
     assert [r[1] for r in res] == [shared] * n
 
 
+def overlapping_barriers():
+    mf.barrier()  # the run's first: by messages
+    f = mf.barrier_async()
+    mf.barrier()  # a later barrier completes while an earlier one is in flight
+    f.result(timeout=20)
+    g, h = mf.barrier_async(), mf.barrier_async()
+    h.result(timeout=20)  # the later one first
+    g.result(timeout=20)
+    if mf.rank() == 0:  # two in flight here, waited for in order; plain barriers elsewhere
+        a, b = mf.barrier_async(), mf.barrier_async()
+        a.result(timeout=20)
+        b.result(timeout=20)
+    else:
+        mf.barrier()
+        mf.barrier()
+    return mf.rank()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])  # 3: more contexts than cores here, some sleep
+def test_barriers_in_flight_together_all_complete(transport, n):
+    assert mf.spmd(overlapping_barriers, n=n, transport=transport, timeout=30) == list(range(n))
+
+
 def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
     res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")

@@ -187,6 +187,7 @@ class Collective:
         if shm.complete(epoch):  # the last to arrive: wake those that sleep
             _wake_sleepers(self.model, self.run, shm, epoch, self.seq)
             self.complete(None)
+            _complete_shared(self.run)  # earlier ones in flight (barrier_async)
             return
         self.wait_shared(shm, epoch)
 
@@ -200,13 +201,13 @@ class Collective:
             if self.future._state:  # failed meanwhile (a context ended without joining)
                 return True
             if shm.complete(epoch):
-                self.complete(None)
+                _complete_shared(self.run)
                 return True
             if time.monotonic() < until:
                 return False
             shm.sleep_flag(epoch)  # then look once more: one of us sees the other
             if shm.complete(epoch):
-                self.complete(None)
+                _complete_shared(self.run)
             return True  # a WAKE completes it (see on_wake)
 
         if spin > 0:
@@ -358,9 +359,19 @@ def on_message(model: SpmdModel, run: Run, src: int, msg: tuple) -> None:
 def on_wake(model: SpmdModel, run: Run, src: int, msg: tuple) -> None:
     """Barrier ``msg[2]`` of ``run``, in shared memory, is complete (the
     context that completed it saw this one sleep)."""
-    c = run.colls.get(msg[2])
-    if c is not None and c.epoch and run.shm and run.shm.complete(c.epoch):
-        c.complete(None)
+    _complete_shared(run)
+
+
+def _complete_shared(run: Run) -> None:
+    """Complete every barrier in shared memory this context waits for that
+    is complete: a later one completing means the earlier ones did (a
+    context may have several in flight, with barrier_async)."""
+    shm = run.shm
+    if not shm or shm is _UNKNOWN:
+        return
+    for c in list(run.colls.values()):
+        if c.epoch and not c.future._state and shm.complete(c.epoch):
+            c.complete(None)
 
 
 def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str]) -> None:
@@ -422,6 +433,8 @@ def _fast_barrier(model: SpmdModel, run: Run, shm: Any, name: str) -> Optional[C
     if shm.complete(epoch):  # the last to arrive
         _entered(model, run, "barrier", 0)
         _wake_sleepers(model, run, shm, epoch, seq)
+        if run.colls:
+            _complete_shared(run)  # earlier ones in flight (barrier_async)
         return None
     if run.size <= CORES:
         # the others are often a few microseconds away: parking this thread
@@ -429,6 +442,8 @@ def _fast_barrier(model: SpmdModel, run: Run, shm: Any, name: str) -> Optional[C
         for _ in range(QUICK_LOOKS):
             if shm.complete(epoch):
                 _entered(model, run, "barrier", 0)
+                if run.colls:
+                    _complete_shared(run)
                 return None
     c = Collective(model, run, "barrier", name, None, _nothing, 0, None)
     _entered(model, run, "barrier", 0)

@@ -329,13 +329,21 @@ class ShmBarrier:
         _fence()
 
     def sleepers(self, epoch: int) -> List[int]:
-        """The ranks that flagged they sleep until barrier ``epoch`` completes.
+        """The ranks that may sleep until barrier ``epoch`` completes: those
+        that flagged it, or a later one (a rank that entered barrier
+        ``epoch`` without waiting for it, and then slept in a later one,
+        flagged only the later one; waking it early costs a look).
 
         Example:
-            >>> ShmBarrier(bytearray(ShmBarrier.nbytes(3)), 3, 0).sleepers(1)
-            []
+            >>> buf = bytearray(ShmBarrier.nbytes(3))
+            >>> b = ShmBarrier(buf, 3, 1)
+            >>> b.arrive(), b.arrive()
+            (1, 2)
+            >>> b.sleep_flag(2)
+            >>> ShmBarrier(buf, 3, 0).sleepers(1), ShmBarrier(buf, 3, 0).sleepers(3)
+            ([1], [])
         """
-        return [r for r, e in enumerate(self._sleep.tolist()) if e == epoch]
+        return [r for r, e in enumerate(self._sleep.tolist()) if e >= epoch]
 
     # ------------------------------------------------------------------ state
 
