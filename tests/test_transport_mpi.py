@@ -585,3 +585,82 @@ def test_sigterm_ends_a_program_that_spawned_ranks_in_order_and_spares_its_proce
                        env=_env(), start_new_session=True)
     assert p.returncode == 0, (p.returncode, p.stderr)
     assert p.stdout.split() == ["rc=143", "alive"], p.stderr
+
+
+SIGTERMED_AT_START = """
+    import os, signal, sys, time
+    import macroflow as mf
+    from macroflow.transport import mpi
+
+    spawn = mpi.spawn
+
+    def spawn_then_terminated(*args, **kwargs):
+        inter, comm, hosts = spawn(*args, **kwargs)
+        with open(sys.argv[1], "w") as f:
+            f.write(" ".join(str(pid) for _, pid in hosts.values()))
+        os.kill(os.getpid(), signal.SIGTERM)  # while the ranks wait for their setup
+        return inter, comm, hosts
+
+    mpi.spawn = spawn_then_terminated
+    with mf.init(contexts=3, transport="mpi"):
+        print("never here")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_spawned_ranks_start_ends_them_too(tmp_path):
+    script, pids = tmp_path / "job.py", tmp_path / "pids"
+    script.write_text(textwrap.dedent(SIGTERMED_AT_START))
+    p = subprocess.run([sys.executable, str(script), str(pids)], capture_output=True, text=True,
+                       timeout=100, env=_env(), start_new_session=True)
+    assert p.returncode == 143, p.stderr
+    assert "never here" not in p.stdout
+    spawned = [int(x) for x in pids.read_text().split()]
+    assert len(spawned) == 2
+
+    def alive():
+        out = []
+        for q in spawned:
+            try:
+                if psutil.Process(q).status() != psutil.STATUS_ZOMBIE:
+                    out.append(q)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = alive()
+    for q in left:  # the suite leaves no process behind, even when this fails
+        os.kill(q, signal.SIGKILL)
+    assert not left
+
+
+SIGTERMED_IN_RUN = """
+    import sys, time
+    import macroflow as mf
+
+    def main():
+        if mf.rank() == 0:
+            open(sys.argv[1], "w").write("started")
+        time.sleep(60)  # every rank computes: SIGTERM comes meanwhile
+
+    mf.spmd(main, n=2, transport="mpi")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_an_spmd_run_ends_the_program_not_the_run(tmp_path):
+    script, flag = tmp_path / "job.py", tmp_path / "started"
+    script.write_text(textwrap.dedent(SIGTERMED_IN_RUN))
+    shell = (f'"{sys.executable}" "{script}" "{flag}" & P=$!; '
+             f'while [ ! -s "{flag}" ]; do sleep 0.05; done; '
+             f'kill -TERM $P; wait $P; echo "rc=$?"')
+    t = time.monotonic()
+    p = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=100,
+                       env=_env(), start_new_session=True)
+    assert p.stdout.split() == ["rc=143"], p.stderr
+    assert "sys.exit" not in p.stderr  # not taken for context 0's function calling sys.exit
+    assert time.monotonic() - t < 50  # not after the ranks' functions end by themselves
+

@@ -21,6 +21,7 @@ from .core.errors import ObjectDestroyed as ObjectDestroyed
 from .core.errors import RemoteError as RemoteError
 from .core.errors import RemoteTraceback as RemoteTraceback
 from .core.errors import StaleReference as StaleReference
+from .core.errors import Terminated as Terminated
 from .core.errors import TimeoutError as TimeoutError
 from .core.future import Future as Future
 from .core.gptr import GlobalPointer as GlobalPointer

@@ -134,6 +134,7 @@ class Session:
         self.engine = self.launcher.start(placement, spin_us)
         _ctx._state.default = self.engine
         _sessions.append(self)
+        self.launcher.started()  # may raise: the session is closed at exit
 
     # -- teardown --------------------------------------------------------------
     def close(self, grace: float = 2.0) -> None:
@@ -214,6 +215,10 @@ class Launcher:
 
     def start(self, placement: Placement, spin_us: float) -> Engine:
         raise NotImplementedError
+
+    def started(self) -> None:
+        """The session is up and will be closed at exit whatever happens: what
+        was put off while it started may happen now (a SIGTERM, say)."""
 
     def wait(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for the other contexts to leave."""

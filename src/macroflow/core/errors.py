@@ -196,3 +196,16 @@ class CollectiveError(MacroflowError):
 
     def __reduce__(self):
         return (CollectiveError, (str(self), self.missing))
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread of a program that was asked to end
+    (SIGTERM) while it runs a computation whose contexts must be ended in
+    order (see the guide's MPI section). A ``SystemExit``: unless caught, the
+    computation closes and the process exits with its code (143).
+
+    Example:
+        >>> e = Terminated(143)
+        >>> isinstance(e, SystemExit), e.code
+        (True, 143)
+    """

@@ -378,6 +378,7 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
     """Context ``rank`` ended the run's function after ``entered`` collectives."""
     run.ended[rank] = (entered, failure)
     if failure is not None and run.failed is None:
+        run.told = True
         run.failed = errors.CollectiveError(
             f"context {rank} failed in its SPMD function ({failure}), so the run's "
             f"collectives cannot complete", missing=[rank])

@@ -220,7 +220,7 @@ class Run:
 
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
                  "failed", "status", "status_wait", "call_fid", "natives", "counters", "shm",
-                 "signature", "offered")
+                 "signature", "offered", "told")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
         self.ident = ident
@@ -239,6 +239,7 @@ class Run:
         self.counters: Any = None  # this context's view of the run's barrier counters
         self.shm: Any = _UNKNOWN  # the ShmBarrier every context can use, or None
         self.offered = False  # barriers go in shared memory if every context can map it
+        self.told = False  # `failed` is another context's failure, which it told everyone
         self.signature = 0  # a CRC of the collectives entered, kinds and roots, in order
 
 
@@ -393,7 +394,7 @@ class SpmdModel(Model):
 
     def _end(self, run: Run, failure: Optional[str]) -> None:
         self.by_call.pop(run.call_fid, None)
-        if failure is None and run.failed is not None:
+        if failure is None and run.failed is not None and not run.told:
             # the function caught its collectives' failure and returned: the
             # others may wait in a collective this context counted as entered
             failure = f"{type(run.failed).__name__} (caught): {run.failed}"

@@ -38,11 +38,13 @@ from .model import (GET, PUT, REVOKED, Done, Handle, engine_side, env_onesided, 
 
 #: the largest get read through an MPI window by default; larger ones are
 #: answered by the owner, their bytes received straight into the caller's
-#: array. Measured with `macroflow bench tulip` (Figure 1 on mpi, the owner
-#: polling): MPICH's reads of a dynamic window beat a request up to 64 KiB
-#: (20 us against 88 us at 8 B), tie at 256 KiB and lose at 1 MiB (808
-#: against 460 us); see docs/benchmarks.md
-WINDOW_MAX = 256 * 1024
+#: array. Measured on MPICH 5 (`macroflow bench tulip`, Figure 1 on mpi, and
+#: an owner asleep in a barrier): reads of a dynamic window beat a request
+#: (9 against 77 us at 8 B, the owner polling), and up to 16 KiB they need
+#: nothing of the owner; from 32 KiB on MPICH waits for the owner to look at
+#: MPI, which an owner asleep in a barrier does not (400 ms for 32 KiB, 500
+#: ms for 64 KiB), while a request wakes it. See docs/benchmarks.md
+WINDOW_MAX = 16 * 1024
 
 
 class MemoryPointer(GlobalPointer):

@@ -92,6 +92,8 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
             results.append(value)
             # a context that caught a collective's error knows the run went wrong
             called.append(None if caught else (entered, signature))
+        except errors.Terminated:
+            raise  # this process was asked to end (SIGTERM): not a context's failure
         except SystemExit as e:
             # a context's sys.exit() is that context's failure, not the caller's exit
             failures.append((r, _exited(r, fn, e)))

@@ -67,10 +67,10 @@ import os
 import pickle
 import shutil
 import signal
-import threading
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -1655,10 +1655,26 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             return
 
         def terminated(signum: int, frame: Any) -> None:
-            raise SystemExit(128 + signum)
+            if self._starting:
+                # spawning, or the ranks waiting for their setup: ending now
+                # would leave them behind; the session ends once it is up
+                self._term_pending = 128 + signum
+                return
+            from ..core.errors import Terminated
+            raise Terminated(128 + signum)
 
+        self._starting = True
+        self._term_pending = 0
         signal.signal(signal.SIGTERM, terminated)
         self._sigterm = terminated
+
+    def started(self) -> None:
+        self._starting = False
+        code = getattr(self, "_term_pending", 0)
+        if code:
+            self._term_pending = 0
+            from ..core.errors import Terminated
+            raise Terminated(code)
 
     def stop(self) -> None:
         try:
