@@ -664,3 +664,36 @@ def test_sigterm_during_an_spmd_run_ends_the_program_not_the_run(tmp_path):
     assert "sys.exit" not in p.stderr  # not taken for context 0's function calling sys.exit
     assert time.monotonic() - t < 50  # not after the ranks' functions end by themselves
 
+
+SIGINTED = """
+    import os, sys, time
+    import macroflow as mf
+    with mf.init(contexts=2, transport="mpi"):
+        open(sys.argv[1], "w").write(str(os.getpid()))
+        time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_shell(tmp_path):
+    # SIGINT to the program alone, which a shell script runs in the script's own
+    # process group: MPICH's process manager, started outside that group,
+    # neither kills the program nor, when the job ends, the group
+    script, flag = tmp_path / "job.py", tmp_path / "pid"
+    script.write_text(textwrap.dedent(SIGINTED))
+    shell = f'"{sys.executable}" "{script}" "{flag}"; echo "rc=$?"; echo alive'
+    p = subprocess.Popen(["sh", "-c", shell], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int(flag.read_text()), signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, (p.returncode, err)
+    assert out.split() == ["rc=130", "alive"], err
+    assert "KeyboardInterrupt" in err

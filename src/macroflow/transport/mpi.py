@@ -61,6 +61,7 @@ job instead, every rank included, with a message naming the process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -1189,7 +1190,8 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
             f"from macroflow.transport.mpi import _spawned; _spawned({entry!r})")
     sys.stdout.flush()
     sys.stderr.flush()
-    inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
+    with _own_process_group():
+        inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
     comm = inter.Merge(high=False)
     hellos = _poll_messages(comm, HELLO, count, f"starting {count} MPI ranks", timeout,
                             lambda have: "ranks " + ", ".join(
@@ -1204,6 +1206,41 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
         r, text = sorted(errors.items())[0]
         raise RuntimeError(f"spawned rank {r} could not start ({entry}):\n{text}")
     return inter, comm, {r: (h[1], h[2]) for r, h in hellos.items()}
+
+
+@contextlib.contextmanager
+def _own_process_group() -> Any:
+    """While MPICH starts its process manager for this process (at its first
+    spawn), put this process in a process group of its own, so that the
+    manager is not in the caller's: a Ctrl-C at the terminal (SIGINT to the
+    foreground group) then reaches this process alone, which ends the ranks
+    in order, instead of the manager, which kills the job with SIGKILL; and
+    the manager, which ends a job by killing its process group, kills no
+    shell that started this program. Nothing is changed where this process
+    leads a session or a group already, or cannot move.
+
+    Example:
+        >>> with _own_process_group():
+        ...     inside = os.getpgrp()
+        >>> os.getpgrp() == inside or inside == os.getpid()
+        True
+    """
+    before = os.getpgrp()
+    moved = False
+    if before != os.getpid() and os.getsid(0) != os.getpid():
+        try:
+            os.setpgid(0, 0)
+            moved = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if moved:
+            try:
+                os.setpgid(0, before)
+            except OSError:
+                pass
 
 
 def _hello(comm: Any) -> None:
