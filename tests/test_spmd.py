@@ -112,10 +112,24 @@ def test_a_get_answered_by_message_is_received_into_the_callers_array(transport)
 
 def test_macroflow_onesided_names_the_ways_a_get_may_go(monkeypatch):
     monkeypatch.setenv("MACROFLOW_ONESIDED", "fast")
+    # at the run's start, even when no get leaves the context
     with pytest.raises(ValueError, match="MACROFLOW_ONESIDED must be one of direct, window, "
                                          "message; got 'fast'"):
-        mf.spmd(lambda: mf.get(mf.allgather(mf.register(np.zeros(2)))[1 - mf.rank()]).wait(),
-                n=2, transport="inproc")
+        mf.spmd(mf.rank, n=2, transport="inproc")
+    monkeypatch.setenv("MACROFLOW_ONESIDED", "")  # empty: unset, as for the other settings
+    assert mf.spmd(mf.rank, n=2, transport="inproc") == [0, 1]
+
+
+def dated():
+    days = np.array(["2026-11-23", "2026-11-24"], dtype="datetime64[D]") + mf.rank()
+    spans = np.arange(3, dtype="timedelta64[s]") * (mf.rank() + 1)
+    other = mf.allgather((mf.register(days), mf.register(spans)))[1 - mf.rank()]
+    return [str(d) for d in mf.get(other[0]).wait()], mf.get(other[1]).wait().astype(int).tolist()
+
+
+def test_datetime_and_timedelta_arrays_are_registered_like_any_numbers(transport):
+    assert mf.spmd(dated, n=2, transport=transport) == [
+        (["2026-11-24", "2026-11-25"], [0, 2, 4]), (["2026-11-23", "2026-11-24"], [0, 1, 2])]
 
 
 WINDOW_SCRIPT = textwrap.dedent("""

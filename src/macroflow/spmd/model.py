@@ -371,6 +371,7 @@ class SpmdModel(Model):
                counters: Any = None) -> Run:
         run = Run(run_id, size, self.eng.id, timeout)
         run.call_fid = fid
+        self.onesided = env_onesided()  # a bad value fails the run at its start, everywhere
         # under MPI too, when the run has no more contexts than cores: measured
         # (2 ranks on one host), a barrier in shared memory took 7.5 us and
         # MPI's Ibarrier polled by the engine 12 to 19 us; oversubscribed (4
@@ -675,7 +676,7 @@ def env_onesided() -> str:
     "window" (never copy directly) or "message" (always ask the owner, as
     for memory on another host): to compare, or to test those paths on one
     host."""
-    text = os.environ.get("MACROFLOW_ONESIDED", "direct")
+    text = os.environ.get("MACROFLOW_ONESIDED") or "direct"
     if text not in ONESIDED:
         raise ValueError(f"MACROFLOW_ONESIDED must be one of {', '.join(ONESIDED)}; "
                          f"got {text!r}")

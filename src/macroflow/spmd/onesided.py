@@ -183,7 +183,7 @@ def register(buffer: Any) -> MemoryPointer:
                          "register the array it views, or np.ascontiguousarray(a)")
     model = model_of(eng)
     ident = eng.new_fid()
-    region = memory.describe(arr)
+    region = memory.describe(_bytes(arr))  # as bytes: numpy cannot export datetime64 as a buffer
     region.window = engine_side(eng, _keep, model, ident, arr)
     return MemoryPointer(eng.id, ident, protocols_of(eng, eng.id), eng.computation, arr.dtype,
                          0, arr.size, region)
