@@ -118,18 +118,25 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
 def _cause(failures: List[Tuple[int, BaseException]]) -> BaseException:
     """The error a failed run raises: a context's own error before the
     collective errors it caused elsewhere; among collective errors, that of a
-    context the others name as missing (it failed first), else context 0's.
+    context that names itself missing (the failure started there), else of
+    one the others name, else context 0's.
 
     Example:
         >>> e1 = errors.CollectiveError("context 1 cannot map the counters", missing=[1])
         >>> e0 = errors.CollectiveError("context 1 failed in its SPMD function", missing=[1])
         >>> str(_cause([(0, e0), (1, e1), (2, e0)]))
         'context 1 cannot map the counters'
+        >>> e2 = errors.CollectiveError("context 0 failed in its SPMD function", missing=[0])
+        >>> str(_cause([(0, e0), (1, e1), (2, e2)]))  # 2 heard of it from 0 first
+        'context 1 cannot map the counters'
         >>> str(_cause([(0, e0), (2, ValueError("bad"))]))
         'bad'
     """
     for _, e in failures:
         if not isinstance(e, errors.CollectiveError):
+            return e
+    for r, e in failures:  # a context that names itself: the news started there
+        if getattr(e, "missing", None) == [r]:
             return e
     named = {m for _, e in failures for m in getattr(e, "missing", ())}
     return next((e for r, e in failures if r in named), failures[0][1])
