@@ -697,3 +697,23 @@ def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_
     assert p.returncode == 0, (p.returncode, err)
     assert out.split() == ["rc=130", "alive"], err
     assert "KeyboardInterrupt" in err
+
+
+def test_a_frame_over_4_kib_keeps_its_sender_looking_at_mpi_until_it_has_left():
+    # MPICH may need the sender's progress to send such a frame (the first to a
+    # peer): a sender that went to sleep held it until it woke
+    t = M.MpiTransport(M.mpi().COMM_SELF.Dup())
+    got = []
+    t.attach(lambda src, bufs, load: got.append(len(bytes(bufs[0]))), None)
+    try:
+        t.send(0, [b"x" * 4000], 0)
+        assert t.pushing == 0
+        t.send(0, [b"x" * 5000], 0)
+        assert t.pushing == 1
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            t.poll(0.01)
+        assert got == [4000, 5000]
+    finally:
+        t.close()
+
