@@ -6,6 +6,7 @@ MPI's own. Every test that starts ranks has a timeout; the ones under a real
 ``mpiexec`` run it as a subprocess with a timeout of its own.
 """
 
+import glob
 import os
 import re
 import select
@@ -263,6 +264,43 @@ def test_two_ranks_flooding_each_other_both_finish():
 
 
 # -- under mpiexec --------------------------------------------------------------------
+
+def _mapped_shm() -> set:
+    """The /dev/shm files some live process maps."""
+    found = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                found.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def _sweep(before: set) -> None:
+    for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before - _mapped_shm():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_mpich_segments_left_by_the_module():
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    yield
+    _sweep(before)  # those a test's ending job still mapped when the test ended
+
+
+@pytest.fixture(autouse=True)
+def _no_mpich_segments_left():
+    # a job that MPI_Abort or a killed rank ends leaves MPICH's shared-memory
+    # segment behind (MPICH unlinks it only when the job ends in order): the
+    # suite removes what its own jobs left
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    yield
+    _sweep(before)
+
 
 def _env():
     env = dict(os.environ)
