@@ -609,18 +609,25 @@ SIGTERMED = """
 """
 
 
+def _terminated_from_a_shell(tmp_path, body: str, then: str = "") -> subprocess.CompletedProcess:
+    """Run ``body`` (its argv[1]: a file it writes once started) from a shell
+    that leads a process group of its own, as a script does; SIGTERM it once
+    started; the shell prints its exit status, then runs ``then``."""
+    script, flag = tmp_path / "job.py", tmp_path / "started"
+    script.write_text(textwrap.dedent(body))
+    shell = (f'"{sys.executable}" "{script}" "{flag}" & P=$!; '
+             f'while [ ! -s "{flag}" ]; do sleep 0.05; done; '
+             f'kill -TERM $P; wait $P; echo "rc=$?"{then}')
+    return subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=100,
+                          env=_env(), start_new_session=True)
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_ends_a_program_that_spawned_ranks_in_order_and_spares_its_process_group(tmp_path):
     # a shell leads a process group of its own and starts the program in it, as
     # a script does; killed outright, the program would leave MPICH's process
     # manager to kill the whole group, the shell included
-    script, flag = tmp_path / "job.py", tmp_path / "started"
-    script.write_text(textwrap.dedent(SIGTERMED))
-    shell = (f'"{sys.executable}" "{script}" "{flag}" & P=$!; '
-             f'while [ ! -s "{flag}" ]; do sleep 0.05; done; '
-             f'kill -TERM $P; wait $P; echo "rc=$?"; echo alive')
-    p = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=100,
-                       env=_env(), start_new_session=True)
+    p = _terminated_from_a_shell(tmp_path, SIGTERMED, then="; echo alive")
     assert p.returncode == 0, (p.returncode, p.stderr)
     assert p.stdout.split() == ["rc=143", "alive"], p.stderr
 
@@ -690,14 +697,8 @@ SIGTERMED_IN_RUN = """
 
 @pytest.mark.timeout(120)
 def test_sigterm_during_an_spmd_run_ends_the_program_not_the_run(tmp_path):
-    script, flag = tmp_path / "job.py", tmp_path / "started"
-    script.write_text(textwrap.dedent(SIGTERMED_IN_RUN))
-    shell = (f'"{sys.executable}" "{script}" "{flag}" & P=$!; '
-             f'while [ ! -s "{flag}" ]; do sleep 0.05; done; '
-             f'kill -TERM $P; wait $P; echo "rc=$?"')
     t = time.monotonic()
-    p = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, timeout=100,
-                       env=_env(), start_new_session=True)
+    p = _terminated_from_a_shell(tmp_path, SIGTERMED_IN_RUN)
     assert p.stdout.split() == ["rc=143"], p.stderr
     assert "sys.exit" not in p.stderr  # not taken for context 0's function calling sys.exit
     assert time.monotonic() - t < 50  # not after the ranks' functions end by themselves

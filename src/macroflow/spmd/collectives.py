@@ -19,7 +19,6 @@ how far it got and names those that did not arrive.
 from __future__ import annotations
 
 import operator
-import os
 import time
 import zlib
 from typing import Any, Callable, List, Optional
@@ -29,11 +28,11 @@ import numpy as np
 from ..core import errors
 from ..core.context import current_engine
 from ..core.future import Future
-from .model import _UNKNOWN, COLL, STATUS, WAKE, Run, SpmdModel, engine_side, local_future, model_of
+from .model import (_UNKNOWN, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
+                    local_future, model_of)
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
 POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sleep at first
-CORES = os.cpu_count() or 1
 QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us each)
 
 
@@ -431,21 +430,22 @@ def _fast_barrier(model: SpmdModel, run: Run, shm: Any, name: str) -> Optional[C
     if run.failed is not None or run.ended or seq in run.early:
         return _begin(model, run, "barrier", name, None, _nothing, 0, None)
     epoch = shm.arrive()
-    if shm.complete(epoch):  # the last to arrive
-        _entered(model, run, "barrier", 0)
-        _wake_sleepers(model, run, shm, epoch, seq)
-        if run.colls:
-            _complete_shared(run)  # earlier ones in flight (barrier_async)
-        return None
-    if run.size <= CORES:
+    last = shm.complete(epoch)  # the last to arrive: it wakes those that sleep
+    done = last
+    if not done and run.size <= CORES:
         # the others are often a few microseconds away: parking this thread
         # and stepping the engine costs more than looking a few times
         for _ in range(QUICK_LOOKS):
             if shm.complete(epoch):
-                _entered(model, run, "barrier", 0)
-                if run.colls:
-                    _complete_shared(run)
-                return None
+                done = True
+                break
+    if done:
+        _entered(model, run, "barrier", 0)
+        if last:
+            _wake_sleepers(model, run, shm, epoch, seq)
+        if run.colls:
+            _complete_shared(run)  # earlier ones in flight (barrier_async)
+        return None
     c = Collective(model, run, "barrier", name, None, _nothing, 0, None)
     _entered(model, run, "barrier", 0)
     run.colls[seq] = c

@@ -28,9 +28,9 @@ import fcntl
 import mmap
 import operator
 import os
-import time
 import select
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple

@@ -55,6 +55,7 @@ from ..core.threads import getcurrent
 KIND = "spmd"
 GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE = range(20, 29)
 _UNKNOWN = object()
+CORES = os.cpu_count() or 1  # more contexts than this on the host: oversubscribed
 _RUNS_KEPT = 8  # runs whose messages are still routed after their function ended here
 _EARLY_RUNS_MAX = 64  # runs not started here whose early messages are kept
 
@@ -377,7 +378,7 @@ class SpmdModel(Model):
         # MPI's Ibarrier polled by the engine 12 to 19 us; oversubscribed (4
         # ranks on 2 cores) the Ibarrier won, 140 against 265 us
         if counters is not None and os.environ.get("MACROFLOW_SHM_BARRIER", "1") != "0" \
-                and (self.natives(run) is None or size <= _cores()):
+                and (self.natives(run) is None or size <= CORES):
             run.offered = True
             from . import memory
             try:
@@ -662,11 +663,6 @@ _QUICK_LOOKS = 20  # tests of a window read before the engine polls it among the
 
 #: the ways a get or put may go, fastest first (see env_onesided)
 ONESIDED = ("direct", "window", "message")
-
-
-def _cores() -> int:
-    from .collectives import CORES
-    return CORES
 
 
 def env_onesided() -> str:

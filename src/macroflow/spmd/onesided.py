@@ -399,6 +399,7 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
     n = gp.length * itemsize
     off = gp.offset * itemsize
     getting = who == "get"
+    what = (who, gp, None)
     if gp.context == eng.id:
         entry = model.regions.get(gp.ident)
         if entry is None:
@@ -409,25 +410,24 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
             raise ValueError(f"mf.{who}(): the registered buffer is read-only")
         else:
             entry[1][off:off + n] = mine
-        return Handle(eng, Done(value), (who, gp, None))
+        return Handle(eng, Done(value), what)
     if gp.ident in model.revoked:
         raise ValueError(f"mf.{who}(): {gp!r} was unregistered by context {gp.context}")
     if n == 0:
-        return Handle(eng, Done(value), (who, gp, None))
+        return Handle(eng, Done(value), what)
     mode = model.onesided
     if mode is None:
         mode = model.onesided = env_onesided()
     if getting:
         if mode == "direct" and memory.access().read(gp.region, off, memoryview(mine)):
             model.counts["spmd_gets_direct"] += 1
-            return Handle(eng, Done(value), (who, gp, None))
+            return Handle(eng, Done(value), what)
     elif gp.region.readonly:
         raise ValueError(f"mf.{who}(): the registered buffer is read-only")
     elif mode == "direct" and memory.access().write(gp.region, off, memoryview(mine)):
         model.counts["spmd_puts_direct"] += 1
-        return Handle(eng, Done(value), (who, gp, None))
+        return Handle(eng, Done(value), what)
     f = local_future(eng)
-    what = (who, gp, None)
     if getting and gp.region.window and (mode == "window" or mode == "direct"
                                          and n <= WINDOW_MAX):
         win = model.window()

@@ -1537,6 +1537,10 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         self.terminated: Set[int] = set()
         self.placement: Any = None
         self.spin_us = 0.0
+        # SIGTERM while spawned ranks start is put off until the session is up
+        self._sigterm: Optional[Callable[[int, Any], None]] = None
+        self._starting = False
+        self._term_pending = 0
 
     def start(self, placement, spin_us: float):
         global _world_done
@@ -1685,8 +1689,9 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             time.sleep(0.001)
 
     def _take_sigterm(self) -> None:
-        """Make SIGTERM end this process in order (SystemExit(143) in the main
-        thread: the computation closes, MPI finalizes), unless the program
+        """Make SIGTERM end this process in order (mf.Terminated(143), a
+        SystemExit, in the main thread: the computation closes, MPI
+        finalizes), unless the program
         handles SIGTERM itself. Killed outright, a process that spawned ranks
         leaves MPICH's process manager to end the job by killing its process
         group: the shell that started the program, when it shares the group."""
@@ -1704,13 +1709,12 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             raise Terminated(128 + signum)
 
         self._starting = True
-        self._term_pending = 0
         signal.signal(signal.SIGTERM, terminated)
         self._sigterm = terminated
 
     def started(self) -> None:
         self._starting = False
-        code = getattr(self, "_term_pending", 0)
+        code = self._term_pending
         if code:
             self._term_pending = 0
             from ..core.errors import Terminated
@@ -1720,7 +1724,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         try:
             self._stop()
         finally:
-            if getattr(self, "_sigterm", None) is not None:
+            if self._sigterm is not None:
                 if signal.getsignal(signal.SIGTERM) is self._sigterm:
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 self._sigterm = None
