@@ -258,7 +258,11 @@ def test_the_rank_that_completes_a_barrier_finds_every_sleeper_to_wake(layout):
                 b.sleep_flag(e)
                 if not b.complete(e):
                     blocked[k - 1, rank] = 1
-                    os.read(pipes[rank][0], 1)  # really asleep until woken
+                    # really asleep until woken; a wake may be stale: rank 0
+                    # wakes every flagged rank, also one that saw the barrier
+                    # complete and did not sleep, and its byte waits here
+                    while not b.complete(e):
+                        os.read(pipes[rank][0], 1)
                 assert b.complete(e)
 
     try:

@@ -197,3 +197,28 @@ def test_a_blocking_poll_returns_when_a_peer_is_lost_without_a_frame(world):
             break
         world.zero.poll(0.01)
     assert [p for p, _ in world.lost] == [2]
+
+
+class _Unreported(AltTransport):
+    """A module whose poll delivers a frame and says it got nothing."""
+
+    def poll(self, timeout):
+        LocalTransport.poll(self, timeout)
+        return False
+
+
+def test_a_frame_a_module_delivers_without_saying_so_is_not_slept_on():
+    a02, a20 = socket.socketpair()
+    zero = MultiTransport(0, [_Unreported(0, {2: a02})], {})
+    two = AltTransport(2, {0: a20})
+    got = []
+    zero.attach(lambda s, b, l: got.append((s, bytes(b[0]))), None)
+    try:
+        two.send(0, [b"here"], 0)
+        # delivered by the first look; sleeping 30 s on the descriptor would
+        # leave it in the engine's inbox until the next frame came
+        assert zero.poll(30.0) is True
+        assert got == [(2, b"here")]
+    finally:
+        zero.close()
+        two.close()

@@ -382,6 +382,36 @@ def test_an_authenticated_connector_is_not_timed_out_before_it_confirms(make):
     assert t.peers() == [0] and t.shaking == {}
 
 
+def test_a_handshake_finished_within_one_poll_reports_the_frame_behind_it(make):
+    # A connector that keeps up with every step (the acceptor was preempted
+    # between them) lets the acceptor accept, admit and read the frame behind
+    # DONE in one poll. That poll must say it delivered: a caller that sleeps
+    # on False left the frame in the engine's inbox until another came.
+    e = make(2)
+    t = e.ends[1]
+    raw = raw_client(t)
+    hello = hello_body(0, 1, t.computation)
+    raw.sendall(message(HELLO, hello))
+    seen = {}
+    put = t._put
+
+    def answer_at_once(shake, kind, body=b""):
+        put(shake, kind, body)
+        if kind == CHALLENGE:
+            seen["challenge"] = read_message(raw)[1]
+            raw.sendall(message(PROOF, mac(SECRET, b"connector", hello, seen["challenge"])))
+        elif kind == PROOF:
+            assert read_message(raw) == (PROOF, mac(SECRET, b"acceptor", hello, seen["challenge"]))
+            raw.sendall(message(DONE) + struct.pack("<IIQ", 1, 42, 5) + b"frame")
+
+    t._put = answer_at_once
+    assert select.select([t.tcp], [], [], 30)[0]  # the connection waits to be accepted
+    assert t.poll(0) is True
+    assert [(src, bytes(b[0]), load) for src, b, load in e.got[1]] == [(0, b"frame", 42)]
+    assert t.peers() == [0] and t.shaking == {}
+    raw.close()
+
+
 def test_a_connection_started_unasked_that_the_peer_gave_up_on_is_made_again(make):
     # connect(wait=False), then this end computes: the peer times the
     # handshake out; that is no reason to call the peer lost

@@ -80,6 +80,7 @@ class MultiTransport(Transport):
         self.route: Dict[int, Transport] = {}
         self.control: Dict[str, Callable[[int, object], None]] = {}  # kind -> handler
         self.news = False  # a peer was lost during this poll
+        self.delivered = False  # a frame was delivered during this poll
         self.spin_s = spin_us / 1e6
         self.counts: Dict[str, Dict[str, int]] = {
             m.name: {"messages_sent": 0, "bytes_sent": 0,
@@ -119,6 +120,9 @@ class MultiTransport(Transport):
             if src >= GUEST_BASE:
                 return  # a guest (a worker asking to join) is not a context: nothing for the engine
             if self.deliver is not None:
+                # even if the module's poll says it got nothing (a frame read
+                # while it admitted a connection): poll must not sleep on it
+                self.delivered = True
                 self.deliver(src, bufs, load)
         return deliver
 
@@ -218,11 +222,11 @@ class MultiTransport(Transport):
 
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
-        self.news = False
+        self.news = self.delivered = False
         for m in self.modules:
             got = m.poll(0) or got
-        if got or self.news or timeout == 0:
-            return got
+        if got or self.news or self.delivered or timeout == 0:
+            return got or self.delivered
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.spin_s > 0.0:
             end = time.perf_counter() + self.spin_s
@@ -249,8 +253,9 @@ class MultiTransport(Transport):
                 got = m.poll(0) or got
             # an event that delivered nothing (a peer lost, a handshake step) is
             # news for the engine too: go back to it
-            if got or events or (deadline is not None and time.monotonic() >= deadline):
-                return got
+            if got or self.delivered or events or \
+                    (deadline is not None and time.monotonic() >= deadline):
+                return got or self.delivered
 
     def close(self) -> None:
         for m in self.modules:

@@ -495,6 +495,7 @@ class TcpTransport(LocalTransport):
         self.dialing: Dict[int, _Shake] = {}  # peer -> the connection this end is making to it
         self.incoming = 0  # connections of others in the lobby, not authenticated yet
         self.handshakes_failed = 0
+        self.fresh = False  # a connection admitted during this poll delivered frames
         self.tcp = listener
         self.tfd = listener.fileno()
         listener.setblocking(False)
@@ -693,21 +694,24 @@ class TcpTransport(LocalTransport):
             return False  # closed
         for fd, _ev in events:
             if fd == self.tfd:
-                self._take()
+                got = self._take() or got
             else:
                 e = self.shaking.get(fd)
                 if e is not None:
                     got = self._step(e) or got
         if self.shaking:
             self._expire()
-        return got
+        return got or self.fresh
 
-    def _take(self) -> None:
+    def _take(self) -> bool:
+        """Accept the connections waiting; True if one was admitted at once
+        and delivered frames (its peer kept up with every step)."""
+        got = False
         while self.incoming < self.max_handshakes:
             try:
                 s, addr = self.tcp.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return got
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
                     raise nofile_error(f"accept a connection to context {self.ctx}", e) from e
@@ -728,7 +732,8 @@ class TcpTransport(LocalTransport):
             if self.server_ssl is not None:
                 e.state, e.tls = _TLS, True
             self._enter(e)
-            self._step(e)  # the CHALLENGE goes at once
+            got = self._step(e) or got  # the CHALLENGE goes at once
+        return got
 
     def _expire(self) -> Optional[float]:
         """Close the handshakes that stalled; seconds until the next may stall."""
@@ -747,6 +752,10 @@ class TcpTransport(LocalTransport):
         return soonest
 
     def poll(self, timeout: Optional[float]) -> bool:
+        # True when frames were delivered, however they came: a caller that
+        # sleeps on False (MultiTransport) would leave them in the engine's
+        # inbox until the next message came
+        self.fresh = False
         if self.shaking:
             pending = len(self.shaking)
             due = self._expire()
@@ -754,7 +763,7 @@ class TcpTransport(LocalTransport):
                 timeout = 0  # a handshake ended here: return, without sleeping
             elif due is not None and (timeout is None or due < timeout):
                 timeout = max(due, 0.0) + 1e-3  # wake up to time it out
-        return LocalTransport.poll(self, timeout)
+        return LocalTransport.poll(self, timeout) or self.fresh
 
     def _step(self, e: _Shake) -> bool:
         """Advance one handshake as far as what has arrived allows; True if
@@ -976,7 +985,9 @@ class TcpTransport(LocalTransport):
             self.directory[peer] = e.peer_address
         log.debug("context %d: connection %s context %d at %s admitted", self.ctx,
                   "to" if e.connector else "from", peer, e.where)
-        return self._read(c)  # what came right behind the handshake
+        got = self._read(c)  # what came right behind the handshake
+        self.fresh = self.fresh or got
+        return got
 
     def _fail(self, e: _Shake, r: _Refused) -> None:
         self._leave(e)
