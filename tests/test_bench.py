@@ -84,39 +84,50 @@ def test_quick_micro_suite_writes_every_figure(tmp_path, capsys):
 
     names = [b["bar"] for b in res["bars"]]
     if MPI_MISSING is None:  # the MPI rows, measured under mpiexec in each round
-        assert len(names) == 13
+        assert len(names) == 17
         for key in ("mpi_null_rpc_persistent_us", "mpi_bandwidth_mb_s", "mpi4py_bandwidth_mb_s",
-                    "mpi4py_roundtrip_us"):
+                    "mpi4py_roundtrip_us", "mpi4py_pickled_roundtrip_us"):
             assert _positive(t1[key]), key
-        assert sum("on mpi" in n for n in names) == 2
+        assert sum("on mpi" in n for n in names) == 3
         assert "MPI transport" in printed
     else:
-        assert len(names) == 11 and "MPI rows skipped" in printed
+        assert len(names) == 14 and "MPI rows skipped" in printed
+    assert _positive(res["baselines"]["pingpong_mailbox_us"])
+    assert any("shared-memory mailbox" in n for n in names) and any(n.startswith("METG") for n in names)
     assert any(n.startswith("null regular call, remote") for n in names)
     for tr in ("local", "inproc"):
         assert sum(n.startswith(f"chain on one object ({tr})") for n in names) == 1
     for b in res["bars"]:
-        assert _positive(b["ratio"]), b["bar"]
+        # a METG not reached on the grid is an infinite ratio, and a FAIL
+        assert _positive(b["ratio"]) or (b["bar"].startswith("METG") and b["ratio"] == math.inf), b["bar"]
         assert b["pass"] is _verdict(b), b["bar"]
     assert our_processes(zombies=True) == []
 
 
 def test_bars_judge_the_chain_length_ratio():
-    base = {"pingpong_busypoll_us": 10.0, "pingpong_blocking_us": 20.0, "baseline_bandwidth_mb_s": 1000.0}
-    t1 = {"null_rpc_persistent_us": 25.0, "pipelined_persistent_us": 10.0, "null_rpc_regular_remote_us": 28.0,
+    base = {"pingpong_busypoll_us": 10.0, "pingpong_blocking_us": 20.0, "baseline_bandwidth_mb_s": 1000.0,
+            "pingpong_mailbox_us": 4.0}
+    t1 = {"null_rpc_persistent_us": 25.0, "pipelined_persistent_us": 10.0, "null_rpc_regular_remote_us": 18.0,
           "null_rpc_regular_local_us": 5.0, "chain_per_link_us": 14.0, "bandwidth_mb_s": 900.0,
           "startup_first_answer_s": 0.01, "idle_rss_fresh_mb": 30.0,
           "chain_length": {"local": {"lengths": [100, 1000, 20000], "ratio": 1.2,
                                      "per_link_us": {"100": 30.0, "1000": 31.0, "20000": 36.0}},
                            "inproc": {"lengths": [100, 1000, 20000], "ratio": 9.0,
                                       "per_link_us": {"100": 30.0, "1000": 60.0, "20000": 270.0}}}}
-    bars = {b["bar"]: b for b in micro.bars(t1, base)}
+    bars = {b["bar"]: b for b in micro.bars(t1, base, metg={"metg_us": 65.0})}
     local = bars["chain on one object (local): per link at 20,000 links <= 1.3x at 100"]
     inproc = bars["chain on one object (inproc): per link at 20,000 links <= 1.3x at 100"]
     assert (local["pass"], local["value"], local["reference"]) == (True, 36.0, 30.0)
     assert (inproc["pass"], inproc["ratio"]) == (False, 9.0)
     remote = next(b for b in bars.values() if b["bar"].startswith("null regular call, remote"))
-    assert remote["counted"] and remote["pass"] and remote["ratio"] == pytest.approx(2.8)
+    assert remote["counted"] and remote["pass"] and remote["ratio"] == pytest.approx(1.8)
+    mailbox = bars["null persistent call <= 2.5x hand-coded shared-memory mailbox round trip"]
+    assert (mailbox["pass"], mailbox["ratio"]) == (False, 6.25)
+    pipelined = bars["pipelined null call, per call <= 0.5x busy-poll round trip"]
+    assert (pipelined["pass"], pipelined["ratio"]) == (False, 1.0)
+    metg = bars["METG(50%) on 2 contexts < 40 us"]
+    assert (metg["pass"], metg["value"]) == (False, 65.0)
+    assert micro.bars(t1, base, metg={"metg_us": None})[-3]["value"] == float("inf")
     local_call = next(b for b in bars.values() if "default placement" in b["bar"])
     assert not local_call["counted"]
 

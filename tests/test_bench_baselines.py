@@ -122,3 +122,36 @@ def test_child_killed_when_parent_side_fails():
             raise KeyError("parent-side failure")
     assert not psutil.pid_exists(pid)
     assert_no_children()
+
+
+@pytest.mark.timeout(60)
+def test_mailbox_round_trip():
+    r = baselines.mailbox(iters=300, warmup=30)
+    assert r["mode"] == "mailbox" and r["iters"] == 300
+    assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
+    assert_no_children()
+
+
+@pytest.mark.timeout(60)
+def test_a_mailbox_reader_stops_spinning_when_the_other_end_ends():
+    import mmap
+    mm = mmap.mmap(-1, 2 * baselines._BOX)
+
+    def child(sock):
+        baselines._Mailbox(mm, 0, sock)  # ends without ever writing
+
+    with pytest.raises(EOFError, match="other end of the mailbox ended"):
+        with baselines._forked(child) as (sock, _):
+            baselines._Mailbox(mm, 0, sock).take()
+    assert_no_children()
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_larger_than_the_mailbox_is_refused():
+    import mmap
+    a, b = socket.socketpair()
+    box = baselines._Mailbox(mmap.mmap(-1, baselines._BOX), 0, a)
+    with pytest.raises(ValueError, match="does not fit"):
+        box.put(b"x" * baselines._BOX)
+    a.close()
+    b.close()

@@ -530,3 +530,53 @@ def test_wait_and_gather_check_their_timeout_as_result_does(run):
         return mf.gather([f], timeout=math.inf), mf.wait([f], timeout=1e300)[1]
 
     assert run(main, contexts=2) == (["alive"], [])
+
+
+_writes = []  # on the callee: (value frame?, written from the method's thread?)
+_orig_send_whole = None
+
+
+def _recording_send_whole(self, c, data):
+    from greenlet import getcurrent
+    _writes.append((bytes(data[16:17]) == b"V", type(getcurrent()).__name__ == "Worker"))
+    return _orig_send_whole(self, c, data)
+
+
+@mf.persistent
+class Writes:
+    def null(self, i):
+        return i
+
+    def taken(self):
+        got = list(_writes)
+        _writes.clear()
+        return got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_a_value_its_caller_waits_for_leaves_before_the_calls_bookkeeping(transport, monkeypatch):
+    # A reply with nothing else to read behind it is written from the
+    # method's own thread as soon as it is pickled; replies to calls that
+    # arrived together leave together, in fewer writes than calls.
+    from macroflow.transport.local import LocalTransport
+    global _orig_send_whole
+    _orig_send_whole = LocalTransport._send_whole
+    monkeypatch.setattr(LocalTransport, "_send_whole", _recording_send_whole)
+
+    def main():
+        w = Writes.create(on=1)
+        w.null(0).result(timeout=10)
+        w.taken().result(timeout=10)
+        for i in range(20):
+            assert w.null(i).result(timeout=10) == i
+        sync = [at_once for value, at_once in w.taken().result(timeout=10) if value]
+        assert mf.gather([w.null(i) for i in range(300)]) == list(range(300))
+        batched = [v for v, _ in w.taken().result(timeout=10) if v]
+        return sync, len(batched)
+
+    sync, batched = mf.run(main, contexts=2, transport=transport)
+    # (a reply that came in a batch with another frame, a release say, is
+    # written with the batch; before, every reply was)
+    assert len(sync) >= 20 and sync.count(True) >= 10, sync
+    assert batched < 300

@@ -903,16 +903,17 @@ class Engine:
     def send_error(self, dest: int, label, exc: BaseException) -> None:
         self.send_value(dest, label, *self._pickle_value(False, exc))
 
-    def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any]) -> None:
+    def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any],
+                   urgent: bool = False) -> None:
         a, c = label
         if c is None:
             head = _VGET.pack(_V, ok, a[0], a[1])
         else:
             head = _VARC.pack(_W, ok, a[0], a[1], c[0], c[1])
         if bufs:
-            self.send_frame(dest, [head, data, *bufs])
+            self.send_frame(dest, [head, data, *bufs], urgent)
         else:  # the common small value: one buffer, the transport's fast path
-            self.send_frame(dest, [head + data])
+            self.send_frame(dest, [head + data], urgent)
 
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
@@ -946,6 +947,22 @@ class Engine:
                     slot.subs.append((fid[0], (fid, None)))
                 self._alias(fid, slot, value._fid, value._home, value)
                 return
+        if ok and call.route & EAGER and not keep_running:
+            # the common case: a small value its caller waits for goes
+            # straight to it, in one buffer, before anything else is done
+            try:
+                data, bufs = _encode(value)
+            except Exception:
+                pass  # _pickle_value below says why
+            else:
+                if bufs or len(data) > EAGER_MAX:
+                    self._send_eager(call, True, data, bufs)
+                else:
+                    self.stats.values_sent += 1
+                    self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data],
+                                    not self.inbox)
+                self._complete(fid, slot, True, data, bufs)
+                return
         ok, data, bufs = self._pickle_value(ok, value)
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
@@ -961,7 +978,9 @@ class Engine:
             size += b.raw().nbytes
         if size <= EAGER_MAX:
             self.stats.values_sent += 1
-            self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
+            # nothing else to read in this batch: the caller waits for it, and
+            # the batch's flush would come only after the thread's bookkeeping
+            self.send_value(call.fid[0], (call.fid, None), ok, data, bufs, not self.inbox)
         else:
             self.send(call.fid[0], (READY, call.fid))
 
@@ -977,7 +996,7 @@ class Engine:
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
         self.stats.values_sent += 1
-        self.send_value(dest, label, slot.ok, slot.data, slot.bufs)
+        self.send_value(dest, label, slot.ok, slot.data, slot.bufs, not self.inbox)
 
     def _alias(self, fid, slot: Slot, to_fid, home: int, keep: Any) -> None:
         # Elaboration and transfer: the value will come from elsewhere; pass
