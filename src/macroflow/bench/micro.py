@@ -1104,6 +1104,8 @@ MPI_ROWS: List[Tuple[str, str, str, str]] = [
     # (label, key, reference key, what the reference is)
     ("Null RPC - persistent (us)", "mpi_null_rpc_persistent_us", "null_rpc_persistent_us",
      "the same on local, same round"),
+    ("Null RPC - persistent, mpi (us)", "mpi_null_rpc_persistent_us", "mpi4py_pickled_roundtrip_us",
+     "mpi4py pickled send/recv, same call"),
     ("16 MB pass-and-return (MB/s)", "mpi_bandwidth_mb_s", "mpi4py_bandwidth_mb_s",
      "mpi4py Send/Recv, same job"),
     ("16 MB round trip (us)", "mpi_bandwidth_roundtrip_us", "mpi4py_bandwidth_roundtrip_us",
