@@ -170,19 +170,25 @@ def pingpong(mode, iters=2000, warmup=200, payload=None, spin_us=20):
             msg = conn.recv()
             conn.send(("result", msg[1], 1))
 
-    samples = []
     with _forked(child) as (sock, _):
         conn = _Conn(sock, mode, spin_us)
-        for i in range(total):
-            t0 = time.perf_counter_ns()
-            conn.send(call)
-            reply = conn.recv()
-            t1 = time.perf_counter_ns()
-            if reply != ("result", 17, 1):
-                raise RuntimeError(f"unexpected reply {reply!r}")
-            if i >= warmup:
-                samples.append(t1 - t0)
+        samples = _round_trips(conn.send, conn.recv, call, total, warmup)
     return {**_stats(samples), "iters": iters, "mode": mode}
+
+
+def _round_trips(send, recv, call, total, warmup):
+    """Time ``total`` call/reply round trips (ns); the first ``warmup`` are dropped."""
+    samples = []
+    for i in range(total):
+        t0 = time.perf_counter_ns()
+        send(call)
+        reply = recv()
+        t1 = time.perf_counter_ns()
+        if reply != ("result", 17, 1):
+            raise RuntimeError(f"unexpected reply {reply!r}")
+        if i >= warmup:
+            samples.append(t1 - t0)
+    return samples
 
 
 _BOX = 1 << 16  # bytes of one mailbox: a sequence counter, a length, the frame
@@ -242,19 +248,10 @@ def mailbox(iters=2000, warmup=200):
             msg = inbox.take()
             outbox.put(("result", msg[1], 1))
 
-    samples = []
     with _forked(child) as (sock, _):
         outbox, inbox = _Mailbox(mm, 0, sock), _Mailbox(mm, _BOX, sock)
         _recv_into_exact(sock, bytearray(1))
-        for i in range(total):
-            t0 = time.perf_counter_ns()
-            outbox.put(call)
-            reply = inbox.take()
-            t1 = time.perf_counter_ns()
-            if reply != ("result", 17, 1):
-                raise RuntimeError(f"unexpected reply {reply!r}")
-            if i >= warmup:
-                samples.append(t1 - t0)
+        samples = _round_trips(outbox.put, inbox.take, call, total, warmup)
     return {**_stats(samples), "iters": iters, "mode": "mailbox"}
 
 
