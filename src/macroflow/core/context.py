@@ -390,6 +390,12 @@ class Engine:
         f = self.asked.get(fid)
         if f is None or not ok or f._callbacks:
             return False
+        eng = getattr(getcurrent(), "engine", None)
+        if eng is not None and eng is not self:
+            # another context's method is sending it (every context in one
+            # process): unpickled here, the futures and handles inside would
+            # be that context's (current_engine looks at the thread first)
+            return False
         prev, _state.current = _state.current, self  # what the value's pickle may need
         try:
             value = marshal.loads(memoryview(b0)[_VGET.size:])
