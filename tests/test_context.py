@@ -629,3 +629,45 @@ def test_a_future_inside_a_value_belongs_to_the_context_that_received_it(run):
         return len(done), len(not_done)
 
     assert run(main, contexts=4) == (n, 0)
+
+
+_rebuilt = []  # where the value is unpickled: one entry per attempt
+
+
+def _rebuild_refused(token):
+    _rebuilt.append(token)
+    raise ValueError("this value cannot be rebuilt here")
+
+
+class _RefusesToRebuild:
+    def __init__(self, token):
+        self.token = token
+
+    def __reduce__(self):
+        return (_rebuild_refused, (self.token,))
+
+
+@mf.persistent
+class Rebuilds:
+    def make(self, token):
+        return _RefusesToRebuild(token)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_fails_to_unpickle_is_unpickled_once(run):
+    # Unpickling runs the program's code (a __reduce__'s callable, a
+    # __setstate__): a value that cannot be rebuilt fails its future with
+    # CallError, and that code ran once, as for a value that can.
+    def main():
+        r = Rebuilds.create(on=1)
+        for i in range(10):
+            try:
+                r.make(i).result(timeout=10)
+            except mf.CallError as e:
+                assert "cannot be rebuilt here" in str(e)
+            else:
+                raise AssertionError("the value was rebuilt")
+        return list(_rebuilt)
+
+    _rebuilt.clear()
+    assert run(main, contexts=2) == list(range(10))
