@@ -580,3 +580,94 @@ def test_a_value_its_caller_waits_for_leaves_before_the_calls_bookkeeping(transp
     # written with the batch; before, every reply was)
     assert len(sync) >= 20 and sync.count(True) >= 10, sync
     assert batched < 300
+
+
+class _Holder:
+    """Not a container: a future inside it travels as a future, not an arc."""
+
+    def __init__(self, f):
+        self.f = f
+
+
+@mf.persistent
+class Sharer:
+    def __init__(self):
+        self.kept = []
+        self.n = 0
+
+    def inc(self):
+        self.n += 1
+        return self.n
+
+    def share(self, producer, keeper):
+        f = producer.inc()
+        keeper.keep(_Holder(f))  # a second holder of the same future
+        return [f]
+
+    def keep(self, holder):
+        self.kept.append(holder)
+
+    def kept_future(self, i):
+        return self.kept[i].f
+
+
+@pytest.mark.timeout(60)
+def test_a_future_inside_a_value_belongs_to_the_context_that_received_it(run):
+    # The caller's copy of a future that came inside a result is its own:
+    # dropping it must not tell the future's home to free a value that
+    # another holder may still ask for. (With every context in one process,
+    # the value arrives while the sending context's method is running.)
+    n = ctxmod.RELEASE_BATCH + 8  # enough dropped futures for a release to go out
+
+    def main():
+        a, b, c = Sharer.create(on=1), Sharer.create(on=2), Sharer.create(on=3)
+        for _ in range(n):
+            f = a.share(b, c).result(timeout=10)[0]
+            del f  # main's copy is dropped; c's is not
+        mf.gather([b.inc() for _ in range(20)], timeout=10)
+        done, not_done = mf.wait([c.kept_future(i) for i in range(n)], timeout=10)
+        return len(done), len(not_done)
+
+    assert run(main, contexts=4) == (n, 0)
+
+
+_rebuilt = []  # where the value is unpickled: one entry per attempt
+
+
+def _rebuild_refused(token):
+    _rebuilt.append(token)
+    raise ValueError("this value cannot be rebuilt here")
+
+
+class _RefusesToRebuild:
+    def __init__(self, token):
+        self.token = token
+
+    def __reduce__(self):
+        return (_rebuild_refused, (self.token,))
+
+
+@mf.persistent
+class Rebuilds:
+    def make(self, token):
+        return _RefusesToRebuild(token)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_fails_to_unpickle_is_unpickled_once(run):
+    # Unpickling runs the program's code (a __reduce__'s callable, a
+    # __setstate__): a value that cannot be rebuilt fails its future with
+    # CallError, and that code ran once, as for a value that can.
+    def main():
+        r = Rebuilds.create(on=1)
+        for i in range(10):
+            try:
+                r.make(i).result(timeout=10)
+            except mf.CallError as e:
+                assert "cannot be rebuilt here" in str(e)
+            else:
+                raise AssertionError("the value was rebuilt")
+        return list(_rebuilt)
+
+    _rebuilt.clear()
+    assert run(main, contexts=2) == list(range(10))

@@ -383,18 +383,25 @@ class Engine:
         """The commonest frame, a small value someone here asked for, taken as
         it is read rather than queued for the engine's loop: nothing was
         read before it that waits, so the order is the same. False (queue
-        it) for anything less plain: an error, a future with callbacks, a
-        value that fails to unpickle."""
+        it) for anything less plain: an error, a future with callbacks."""
         _, ok, a0, a1 = _VGET.unpack_from(b0)
         fid = (a0, a1)
         f = self.asked.get(fid)
         if f is None or not ok or f._callbacks:
             return False
+        eng = getattr(getcurrent(), "engine", None)
+        if eng is not None and eng is not self:
+            # another context's method is sending it (every context in one
+            # process): unpickled here, the futures and handles inside would
+            # be that context's (current_engine looks at the thread first)
+            return False
         prev, _state.current = _state.current, self  # what the value's pickle may need
         try:
             value = marshal.loads(memoryview(b0)[_VGET.size:])
-        except Exception:
-            return False  # _on_value says why
+        except Exception as e:
+            # failed here, not queued to fail again: unpickling runs the
+            # program's code (a __reduce__'s callable), which must run once
+            ok, value = False, _unpickling_failed(e)
         finally:
             _state.current = prev
         del self.asked[fid]
@@ -407,7 +414,7 @@ class Engine:
         st = self.stats
         st.messages_received += 1
         st.bytes_received += 16 + len(b0)
-        f._set(True, value)
+        f._set(ok, value)
         return True
 
     # ------------------------------------------------------------------ issuing
@@ -1105,7 +1112,7 @@ class Engine:
         try:
             value = marshal.loads(data, bufs)
         except Exception as e:
-            ok, value = False, errors.CallError(f"a value could not be unpickled here: {e!r}")
+            ok, value = False, _unpickling_failed(e)
         if not ok:
             value = _restore_exception(value)
         if label[1] is None:
@@ -2291,6 +2298,11 @@ def call_token(call: Call, afid, eng):
         return tok
     data, bufs = marshal.dumps(v)
     return True, marshal.loads(data, [bytearray(b.raw()) for b in bufs])
+
+
+def _unpickling_failed(e: Exception) -> errors.CallError:
+    """What a future gets whose value arrived but could not be unpickled."""
+    return errors.CallError(f"a value could not be unpickled here: {e!r}")
 
 
 def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
