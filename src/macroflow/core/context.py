@@ -336,7 +336,10 @@ class Engine:
         # While the engine dispatches a batch of messages, what it sends is
         # queued and leaves in one write per peer when the batch is done;
         # calls made by user code (urgent) leave at once, so a method that
-        # calls out and then computes does not hold its calls back.
+        # calls out and then computes does not hold its calls back. Nor does
+        # the batch's last message (nothing left in the inbox): its reply or
+        # request leaves at once, not after the bookkeeping that ends the
+        # batch, since nothing else would share the write.
         if dest in self.heirs:
             dest = self.heirs[dest]  # removed: what it held, its heir holds now
         if dest == self.id:
@@ -347,7 +350,7 @@ class Engine:
         if dest in self.lost:
             return
         try:
-            if self.dispatching and not urgent:
+            if self.dispatching and not urgent and self.inbox:
                 n = self.transport.queue(dest, parts, self.active + self.base_load)
             else:
                 n = self.transport.send(dest, parts, self.active + self.base_load)
@@ -944,17 +947,16 @@ class Engine:
     def send_error(self, dest: int, label, exc: BaseException) -> None:
         self.send_value(dest, label, *self._pickle_value(False, exc))
 
-    def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any],
-                   urgent: bool = False) -> None:
+    def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any]) -> None:
         a, c = label
         if c is None:
             head = _VGET.pack(_V, ok, a[0], a[1])
         else:
             head = _VARC.pack(_W, ok, a[0], a[1], c[0], c[1])
         if bufs:
-            self.send_frame(dest, [head, data, *bufs], urgent)
+            self.send_frame(dest, [head, data, *bufs])
         else:  # the common small value: one buffer, the transport's fast path
-            self.send_frame(dest, [head + data], urgent)
+            self.send_frame(dest, [head + data])
 
     def answer(self, call: Call, value: Any) -> None:
         """Give ``call`` its result now (return-to-future); the method goes on."""
@@ -1000,8 +1002,7 @@ class Engine:
                     self._send_eager(call, True, data, bufs)
                 else:
                     self.stats.values_sent += 1
-                    self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data],
-                                    not self.inbox)
+                    self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
                 self._complete(fid, slot, True, data, bufs)
                 return
         ok, data, bufs = self._pickle_value(ok, value)
@@ -1019,9 +1020,7 @@ class Engine:
             size += b.raw().nbytes
         if size <= EAGER_MAX:
             self.stats.values_sent += 1
-            # nothing else to read in this batch: the caller waits for it, and
-            # the batch's flush would come only after the thread's bookkeeping
-            self.send_value(call.fid[0], (call.fid, None), ok, data, bufs, not self.inbox)
+            self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
         else:
             self.send(call.fid[0], (READY, call.fid))
 
@@ -1037,7 +1036,7 @@ class Engine:
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
         self.stats.values_sent += 1
-        self.send_value(dest, label, slot.ok, slot.data, slot.bufs, not self.inbox)
+        self.send_value(dest, label, slot.ok, slot.data, slot.bufs)
 
     def _alias(self, fid, slot: Slot, to_fid, home: int, keep: Any) -> None:
         # Elaboration and transfer: the value will come from elsewhere; pass
