@@ -397,22 +397,24 @@ def test_shutdown_is_refused_inside_a_method_and_inside_main_of_run(run):
     assert run(main, contexts=2) == 0
 
 
-def _queue_that_loses_context_1(self, dest, parts, load):
+def _losing_context_1(orig):
     # the transport finds the peer gone in the middle of a send, as it does when
-    # a context dies at that moment: it says so, then the send fails
-    if self.ctx == 2 and dest == 1:
-        self.lost(1, "connection closed during a send")
-        raise ConnectionError("context 1: send failed")
-    return _orig_queue(self, dest, parts, load)
+    # a context dies at that moment: it says so, then the send fails (whether
+    # the frame was to leave at once or with the rest of a batch)
+    def send(self, dest, parts, load):
+        if self.ctx == 2 and dest == 1:
+            self.lost(1, "connection closed during a send")
+            raise ConnectionError("context 1: send failed")
+        return orig(self, dest, parts, load)
+    return send
 
 
 from macroflow.transport.local import LocalTransport  # noqa: E402
 
-_orig_queue = LocalTransport.queue
-
 
 def test_a_peer_lost_inside_a_send_fails_the_waiting_call_once(monkeypatch):
-    monkeypatch.setattr(LocalTransport, "queue", _queue_that_loses_context_1)
+    monkeypatch.setattr(LocalTransport, "queue", _losing_context_1(LocalTransport.queue))
+    monkeypatch.setattr(LocalTransport, "send", _losing_context_1(LocalTransport.send))
 
     def main():
         g = Gate.create(on=1)
