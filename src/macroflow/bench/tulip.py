@@ -43,15 +43,12 @@ Run ``macroflow bench tulip [--quick] [--json FILE]``;
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import math
 import os
 import platform
 import random
 import signal
 import socket
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -60,6 +57,8 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.bench import json_problem, progress_printer, suite_main, write_json
+from macroflow.bench.nexus import (_die_with_parent, _median, _us, _x, paired_ratio, size_label,
+                                  summarize)
 from macroflow.core.context import current_engine
 from macroflow.spmd.model import model_of
 
@@ -171,48 +170,6 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def size_label(nbytes: int) -> str:
-    """A size as the tables print it.
-
-    Example:
-        >>> [size_label(s) for s in SIZES]
-        ['8 B', '64 B', '512 B', '4 KiB', '32 KiB', '64 KiB', '256 KiB', '1 MiB']
-    """
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return float(statistics.median(xs)) if xs else None
-
-
-def summarize(samples_ns: Sequence[float]) -> Dict[str, Any]:
-    """Median, 10th and 90th percentile (microseconds) and count of samples (ns).
-
-    Example:
-        >>> summarize([1000, 2000, 3000, 4000, 100000])["median_us"]
-        3.0
-    """
-    us = np.asarray(samples_ns, dtype=np.float64) / 1e3
-    return {"median_us": float(np.median(us)), "p10_us": float(np.percentile(us, 10)),
-            "p90_us": float(np.percentile(us, 90)), "n": int(us.size)}
-
-
-def paired_ratio(num: Sequence[Optional[float]], den: Sequence[Optional[float]]) -> Optional[float]:
-    """The median over batches of ``num[b] / den[b]`` (each a batch's median).
-
-    Example:
-        >>> paired_ratio([10.0, 40.0, 30.0], [5.0, 10.0, 10.0])
-        3.0
-        >>> paired_ratio([None], [1.0]) is None
-        True
-    """
-    return _median([a / b for a, b in zip(num, den) if a and b])
-
-
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a and b else None
 
@@ -226,16 +183,6 @@ def _spin_us(us: float) -> None:
     end = time.perf_counter() + us * 1e-6
     while time.perf_counter() < end:
         pass
-
-
-def _die_with_parent(ppid: int) -> None:
-    # a benchmark process must never outlive a killed benchmark
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != ppid:
-        os._exit(1)
 
 
 def _reap(pids: Sequence[int], kill: bool) -> List[int]:
@@ -1053,16 +1000,6 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None,
 
 
 # --------------------------------------------------------------------------- printing
-
-
-def _us(v: Optional[float]) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
-
-
-def _x(v: Optional[float]) -> str:
-    return "n/a" if v is None else f"{v:.2f}x"
 
 
 def _n_label(res: Dict[str, Any], n: int, key: str) -> str:
