@@ -694,7 +694,7 @@ class TcpTransport(LocalTransport):
             return False  # closed
         for fd, _ev in events:
             if fd == self.tfd:
-                got = self._take() or got
+                self._take()  # what it admitted and read, self.fresh says
             else:
                 e = self.shaking.get(fd)
                 if e is not None:
@@ -703,15 +703,12 @@ class TcpTransport(LocalTransport):
             self._expire()
         return got or self.fresh
 
-    def _take(self) -> bool:
-        """Accept the connections waiting; True if one was admitted at once
-        and delivered frames (its peer kept up with every step)."""
-        got = False
+    def _take(self) -> None:
         while self.incoming < self.max_handshakes:
             try:
                 s, addr = self.tcp.accept()
             except (BlockingIOError, InterruptedError):
-                return got
+                return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE):
                     raise nofile_error(f"accept a connection to context {self.ctx}", e) from e
@@ -732,8 +729,7 @@ class TcpTransport(LocalTransport):
             if self.server_ssl is not None:
                 e.state, e.tls = _TLS, True
             self._enter(e)
-            got = self._step(e) or got  # the CHALLENGE goes at once
-        return got
+            self._step(e)  # the CHALLENGE goes at once
 
     def _expire(self) -> Optional[float]:
         """Close the handshakes that stalled; seconds until the next may stall."""
