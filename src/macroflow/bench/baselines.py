@@ -23,6 +23,9 @@ import traceback
 import numpy as np
 
 MODES = ("blocking", "busypoll", "pollsleep")
+#: the call every hand-coded round trip sends, and the reply it expects
+CALL = ("call", 17, "method", (1,), {})
+REPLY = ("result", 17, 1)
 _LEN = struct.Struct("<Q")
 _OOB_HDR = struct.Struct("<QQ")  # in-band pickle length, number of raw buffers
 _SOCKBUF = 4 * 2**20
@@ -162,7 +165,7 @@ def pingpong(mode, iters=2000, warmup=200, payload=None, spin_us=20):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     total = warmup + iters
-    call = ("call", 17, "method", (1,) if payload is None else (payload,), {})
+    call = CALL if payload is None else CALL[:3] + ((payload,), {})
 
     def child(sock):
         conn = _Conn(sock, mode, spin_us)
@@ -172,19 +175,27 @@ def pingpong(mode, iters=2000, warmup=200, payload=None, spin_us=20):
 
     with _forked(child) as (sock, _):
         conn = _Conn(sock, mode, spin_us)
-        samples = _round_trips(conn.send, conn.recv, call, total, warmup)
+        samples = round_trips(conn.send, conn.recv, call, total, warmup)
     return {**_stats(samples), "iters": iters, "mode": mode}
 
 
-def _round_trips(send, recv, call, total, warmup):
-    """Time ``total`` call/reply round trips (ns); the first ``warmup`` are dropped."""
+def round_trips(send, recv, call, total, warmup):
+    """Time ``total`` call/reply round trips (ns) with ``send(call)`` and
+    ``recv()``; the first ``warmup`` are dropped, and a reply other than
+    :data:`REPLY` is an error.
+
+    >>> box = []
+    >>> samples = round_trips(box.append, lambda: REPLY, CALL, 5, 2)
+    >>> len(samples), len(box), min(samples) >= 0
+    (3, 5, True)
+    """
     samples = []
     for i in range(total):
         t0 = time.perf_counter_ns()
         send(call)
         reply = recv()
         t1 = time.perf_counter_ns()
-        if reply != ("result", 17, 1):
+        if reply != REPLY:
             raise RuntimeError(f"unexpected reply {reply!r}")
         if i >= warmup:
             samples.append(t1 - t0)
@@ -239,7 +250,6 @@ def mailbox(iters=2000, warmup=200):
     import mmap
     total = warmup + iters
     mm = mmap.mmap(-1, 2 * _BOX)  # MAP_SHARED: the forked child sees the same pages
-    call = ("call", 17, "method", (1,), {})
 
     def child(sock):
         inbox, outbox = _Mailbox(mm, 0, sock), _Mailbox(mm, _BOX, sock)
@@ -251,7 +261,7 @@ def mailbox(iters=2000, warmup=200):
     with _forked(child) as (sock, _):
         outbox, inbox = _Mailbox(mm, 0, sock), _Mailbox(mm, _BOX, sock)
         _recv_into_exact(sock, bytearray(1))
-        samples = _round_trips(outbox.put, inbox.take, call, total, warmup)
+        samples = round_trips(outbox.put, inbox.take, CALL, total, warmup)
     return {**_stats(samples), "iters": iters, "mode": "mailbox"}
 
 
@@ -371,7 +381,7 @@ def fork_roundtrip_startup(runs=5):
     for _ in range(runs):
         with _forked(child) as (sock, fork_ns):
             conn = _Conn(sock, "blocking")
-            conn.send(("call", 17, "method", (1,), {}))
+            conn.send(CALL)
             conn.recv()
             samples.append(time.perf_counter_ns() - fork_ns)
     us = np.asarray(samples, dtype=np.float64) / 1e3

@@ -626,15 +626,11 @@ def _mpi_session(cfg: Config) -> Dict[str, float]:
     out["mpi4py_bandwidth_mb_s"] = 2 * cfg.bw_bytes / out["mpi4py_bandwidth_roundtrip_us"]
     # mpi4py's pickled send/recv, with the call and reply of the local baselines
     done = raw.serve_pickled(n + w)
-    call = ("call", 17, "method", (1,), {})
-    samples = []
-    for i in range(n + w):
-        t0 = _ns()
-        comm.send(call, 1, RAW_TAG)
-        comm.recv(source=1, tag=RAW_TAG)
-        samples.append(_ns() - t0)
+    samples = baselines.round_trips(lambda call: comm.send(call, 1, RAW_TAG),
+                                    lambda: comm.recv(source=1, tag=RAW_TAG),
+                                    baselines.CALL, n + w, w)
     done.result(60)
-    out["mpi4py_pickled_roundtrip_us"] = _median(samples[w:]) / 1e3
+    out["mpi4py_pickled_roundtrip_us"] = _median(samples) / 1e3
     return out
 
 
