@@ -37,6 +37,13 @@ class Log:
         return self.items
 
 
+class Ref:
+    """Carries a future as a value: futures inside plain objects are not arcs."""
+
+    def __init__(self, f):
+        self.f = f
+
+
 def our_processes(zombies=False):
     """This process's descendants that are alive, less MPI's process manager.
 

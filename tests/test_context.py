@@ -6,11 +6,13 @@ import signal
 import time
 
 import pytest
+from greenlet import getcurrent
 
 import macroflow as mf
 from macroflow.core import context as ctxmod
+from macroflow.transport.local import LocalTransport
 
-from common import Gate
+from common import Gate, Ref
 
 
 @mf.persistent
@@ -533,11 +535,10 @@ def test_wait_and_gather_check_their_timeout_as_result_does(run):
 
 
 _writes = []  # on the callee: (value frame?, written from the method's thread?)
-_orig_send_whole = None
+_orig_send_whole = LocalTransport._send_whole
 
 
 def _recording_send_whole(self, c, data):
-    from greenlet import getcurrent
     _writes.append((bytes(data[16:17]) == b"V", type(getcurrent()).__name__ == "Worker"))
     return _orig_send_whole(self, c, data)
 
@@ -559,9 +560,6 @@ def test_a_value_its_caller_waits_for_leaves_before_the_calls_bookkeeping(transp
     # A reply with nothing else to read behind it is written from the
     # method's own thread as soon as it is pickled; replies to calls that
     # arrived together leave together, in fewer writes than calls.
-    from macroflow.transport.local import LocalTransport
-    global _orig_send_whole
-    _orig_send_whole = LocalTransport._send_whole
     monkeypatch.setattr(LocalTransport, "_send_whole", _recording_send_whole)
 
     def main():
@@ -582,13 +580,6 @@ def test_a_value_its_caller_waits_for_leaves_before_the_calls_bookkeeping(transp
     assert batched < 300
 
 
-class _Holder:
-    """Not a container: a future inside it travels as a future, not an arc."""
-
-    def __init__(self, f):
-        self.f = f
-
-
 @mf.persistent
 class Sharer:
     def __init__(self):
@@ -601,7 +592,7 @@ class Sharer:
 
     def share(self, producer, keeper):
         f = producer.inc()
-        keeper.keep(_Holder(f))  # a second holder of the same future
+        keeper.keep(Ref(f))  # a second holder of the same future
         return [f]
 
     def keep(self, holder):

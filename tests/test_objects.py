@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import macroflow as mf
-from common import Gate
+from common import Gate, Ref
 from macroflow.core.context import current_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,13 +51,6 @@ class Math:
 
     def fail(self, msg):
         raise ValueError(msg)
-
-
-class Ref:
-    """Carries a future as a value: futures inside plain objects are not arcs."""
-
-    def __init__(self, f):
-        self.f = f
 
 
 @mf.persistent
