@@ -71,6 +71,26 @@ def spin_us_setting(spin_us: Any = None) -> float:
     return _check_spin(value, env, "the MACROFLOW_SPIN_US environment variable")
 
 
+def rings_setting() -> bool:
+    """Whether contexts on one host send small frames through shared-memory
+    rings (the default) rather than their sockets: MACROFLOW_RINGS=0 turns
+    them off, 1 (or unset) on; anything else raises ValueError.
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("MACROFLOW_RINGS", None) and None
+        >>> rings_setting()
+        True
+    """
+    env = os.environ.get("MACROFLOW_RINGS", "").strip()
+    if env in ("", "1"):
+        return True
+    if env == "0":
+        return False
+    raise ValueError(f"the MACROFLOW_RINGS environment variable must be 0 (sockets only) or 1 "
+                     f"(shared-memory rings on one host); got {env!r}")
+
+
 def _check_spin(value: Any, shown: Any, source: str) -> float:
     if (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and value >= 0):
@@ -374,13 +394,14 @@ class ForkLauncher(Launcher):
     def root_transport(self, socks: Dict[int, socket.socket], mesh: Any, spin_us: float) -> Any:
         """Context 0's transport, given its socketpairs with the children."""
         from .transport.local import LocalTransport
-        return LocalTransport(0, socks, spin_us, mesh=mesh)
+        return LocalTransport(0, socks, spin_us, mesh=mesh, rings=rings_setting())
 
     def child_transport(self, ctx: int, sock: socket.socket, listener: socket.socket,
                         mesh: Any, spin_us: float) -> Any:  # pragma: no cover - in children
         """Context ``ctx``'s transport, made in its process after the fork."""
         from .transport.local import LocalTransport
-        return LocalTransport(ctx, {0: sock}, spin_us, mesh=mesh, listener=listener)
+        return LocalTransport(ctx, {0: sock}, spin_us, mesh=mesh, listener=listener,
+                              rings=rings_setting())
 
     def add(self, ids: List[int], init: Any) -> None:
         from .transport.local import nofile_error

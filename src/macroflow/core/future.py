@@ -508,6 +508,9 @@ class LoopDriver:
         if any(eng.busy() for eng in self.engines):
             self._schedule(0.0)
             return
+        if self.fd is not None and self.engine.transport.nap(True):
+            self._schedule(0.0)  # frames came that the descriptor does not show
+            return
         delay = None if self.fd is not None else POLL_S
         for eng in self.engines:
             due = eng.next_due()

@@ -339,10 +339,12 @@ class ServiceThread(Service):
         seen = -1
         nap = self.period
         watching = False
+        waiting = False  # frames the descriptor does not show wait (Transport.nap)
         try:
             while not self.stopped and not eng.closed:
                 if watching:
-                    self.ep.poll(self.IDLE_MAX)
+                    if not waiting:
+                        self.ep.poll(self.IDLE_MAX)
                 else:
                     time.sleep(nap)
                 e = eng.epoch
@@ -360,6 +362,8 @@ class ServiceThread(Service):
                         if eng.user and eng.epoch == e and not self.stopped:
                             self.serve()
                             watching = True
+                            nap = getattr(getattr(eng, "transport", None), "nap", None)
+                            waiting = nap is not None and nap(True)
                     finally:
                         self.busy = False
         finally:

@@ -87,8 +87,17 @@ class Transport(abc.ABC):
 
     def fileno(self) -> Optional[int]:
         """A descriptor that becomes readable when frames arrive (for an event
-        loop to watch), or None where there is none to watch."""
+        loop to watch), or None where there is none to watch. A watcher
+        calls :meth:`nap` first."""
         return None
+
+    def nap(self, on: bool) -> bool:
+        """Say that this context will (``on``) or will no longer wait on
+        :meth:`fileno` outside :meth:`poll`. Frames that do not pass through
+        the descriptor (shared memory) make it readable while ``on``.
+        Returns True when such a frame is already waiting: poll instead of
+        waiting. Here, every frame passes through the descriptor: False."""
+        return False
 
     def peers(self) -> Optional[List[int]]:
         """The contexts this one has a connection to now, or None where every

@@ -42,11 +42,12 @@ import struct
 import sys
 import time
 from collections import deque
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as _np
 
 from ..core.errors import LimitError
+from . import ring as _ring
 from .base import Transport
 
 _HDR = struct.Struct("<II")
@@ -66,6 +67,14 @@ _MAGIC = b"MFh1"
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _START_WAIT = 120.0  # seconds to wait for a peer's listening socket to appear
 NOT_STARTED, LISTENING, GONE = 0, 1, 2  # a context's state in Mesh.states
+RING_BYTES = 1 << 20  # a shared-memory ring, one direction of one connection
+RING_FRAME_MAX = _SMALL  # larger frames travel on the socket (a MARK in the ring)
+# transport control frames on a socket (never a frame of the engine's, whose
+# first byte is an opcode or a pickle's): the ring hand-shake
+_CTL = b"\x00MFring"
+_OFFER = struct.Struct("<iiqi")  # the reader's pid, its RingHost's fd, the ring's offset, bytes
+_WAKE = _HDR.pack(0, 0)  # a frame of no buffers: "look at the ring"
+_RING_LOOK = 16  # while rings deliver, look at the sockets every this many polls
 
 
 def nofile_error(what: str, err: OSError) -> LimitError:
@@ -364,7 +373,8 @@ def _set_async(fd: int, on: bool) -> None:
 
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
-                 "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf")
+                 "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf",
+                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke")
 
     def __init__(self, peer: int, sock: socket.socket):
         self.peer = peer
@@ -383,6 +393,16 @@ class _Conn:
         self.outq: deque = deque()
         self.closed = False
         self.wbuf = bytearray()  # small frames queued for one write at flush()
+        # shared-memory rings (see LocalTransport's notes): the one the peer
+        # writes to us (offered: made, not yet switched to by the peer), the
+        # one we write to (rout_next: mapped, switched to at our next send)
+        self.rin: Optional[_ring.Ring] = None
+        self.offered: Optional[_ring.Ring] = None
+        self.rout: Optional[_ring.Ring] = None
+        self.rout_next: Optional[_ring.Ring] = None
+        self.held: deque = deque()  # socket frames waiting for their MARK in rin
+        self.reading = False  # in _ring_read
+        self.poke = False  # frames queued in rout: see if the reader naps at flush()
 
 
 class LocalTransport(Transport):
@@ -412,9 +432,18 @@ class LocalTransport(Transport):
     closed_errnos: Tuple[int, ...] = (errno.ECONNRESET, errno.EPIPE)
 
     def __init__(self, ctx: int, socks: Dict[int, socket.socket], spin_us: float = 0.0,
-                 mesh: Optional[Mesh] = None, listener: Optional[socket.socket] = None):
+                 mesh: Optional[Mesh] = None, listener: Optional[socket.socket] = None,
+                 rings: bool = False, ring_bytes: int = RING_BYTES):
         super().__init__()
         self.ctx = ctx
+        # shared-memory rings where this CPU orders stores (see the module's notes)
+        self.rings = bool(rings) and _ring.problem() is None and hasattr(os, "memfd_create")
+        self.ring_bytes = ring_bytes
+        self.rins: List[_Conn] = []  # connections whose peer writes to us in a ring
+        self.host: Optional[_ring.RingHost] = None  # where those rings are (made at the first)
+        self.bell_seen = 0  # the host's BELL when we last looked at the rings
+        self.mapped: List[_ring.Ring] = []  # peers' rings we write to, unmapped at close()
+        self.ring_polls = 0
         self.spin_s = spin_us / 1e6
         self.conns: Dict[int, _Conn] = {}  # peer -> the connection frames to it go on
         self.links: Dict[int, List[_Conn]] = {}  # peer -> all its connections (at most 2)
@@ -436,7 +465,7 @@ class LocalTransport(Transport):
                 raise nofile_error(f"start context {ctx}'s transport", e) from e
             raise
         for peer, s in socks.items():
-            self._add(peer, s)
+            self._offer(self._add(peer, s))
         if listener is not None:
             listener.setblocking(False)
             self.lfd = listener.fileno()
@@ -465,7 +494,7 @@ class LocalTransport(Transport):
     def adopt(self, peer: int, sock: socket.socket) -> None:
         """Take ``sock``, connected to context ``peer`` (one added while
         running), as the connection frames to ``peer`` go on."""
-        self._add(peer, sock)
+        self._offer(self._add(peer, sock))
     def signal_arrivals(self, on: bool, again: bool = False) -> bool:
         """While ``on``, the kernel sends this process SIGIO whenever bytes or a
         connection arrive (O_ASYNC on every socket, new ones included), so a
@@ -488,6 +517,11 @@ class LocalTransport(Transport):
             ['SIGIO']
             >>> _ = signal.signal(signal.SIGIO, old); t.close(); a.close()
         """
+        if on:
+            # frames in rings poke the sockets while signals are on. Never
+            # cleared here: this runs in the service's thread, perhaps while
+            # the engine's sleeps relying on the flag; its next wake clears it
+            self.nap(True)
         if on != self.signalling or again:
             self.signalling = on
             fds = list(self.byfd)
@@ -544,6 +578,7 @@ class LocalTransport(Transport):
                 c = self._add(dest, s)
                 if not self._send_whole(c, mesh.hello(self.ctx)):
                     raise ConnectionError(f"context {dest}: sending the hello failed")
+                self._offer(c)
                 return self.conns[dest]  # ours, unless one came in meanwhile
             now = time.monotonic()
             if not deadline:
@@ -597,6 +632,7 @@ class LocalTransport(Transport):
         c.rs += _HELLO.size
         c.peer = peer
         self._know(c)
+        self._offer(c)
         return True
 
     def _event(self, fd: int) -> bool:
@@ -625,6 +661,14 @@ class LocalTransport(Transport):
             c = self._connect(dest)
         if c.closed:
             raise ConnectionError(f"no connection to context {dest}")
+        r = c.rout
+        if r is None and c.rout_next is not None and not c.outq:
+            r = self._switch(c)
+        if r is not None:
+            if not c.poke:
+                c.poke = True
+                self.pending.append(c)
+            return self._ring_send(c, r, parts, load, False)
         frame = _small_frame(parts, load)
         if frame is None:
             return self.send(dest, parts, load)
@@ -639,6 +683,10 @@ class LocalTransport(Transport):
             self._flush_conn(c)
 
     def _flush_conn(self, c: _Conn) -> None:
+        if c.poke:
+            c.poke = False
+            if c.rout is not None and not c.closed:
+                self._wake(c, c.rout)
         if not c.wbuf or c.closed:
             return
         data, c.wbuf = c.wbuf, bytearray()
@@ -665,6 +713,14 @@ class LocalTransport(Transport):
             c = self._connect(dest)
         if c.closed:
             raise ConnectionError(f"no connection to context {dest}")
+        r = c.rout
+        if r is None and c.rout_next is not None and not c.outq:
+            r = self._switch(c)
+        if r is not None:
+            return self._ring_send(c, r, parts, load, True)
+        return self._sock_send(c, dest, parts, load)
+
+    def _sock_send(self, c: _Conn, dest: int, parts: Sequence[object], load: int) -> int:
         if c.wbuf:
             self._flush_conn(c)  # keep the order of queued frames
         if not c.outq:
@@ -743,27 +799,252 @@ class LocalTransport(Transport):
                     c.outq[0] = v[n:]
                     n = 0
 
+    # -- shared-memory rings ----------------------------------------------
+    def _offer(self, c: _Conn) -> None:
+        """Make the ring ``c``'s peer is to write to us, and offer it."""
+        if not self.rings or c.offered is not None or c.rin is not None or c.closed:
+            return
+        try:
+            if self.host is None:
+                self.host = _ring.RingHost()
+            r = self.host.ring(self.ring_bytes)
+        except OSError:
+            return  # no memfd here (or no memory): the socket alone
+        c.offered = r
+        body = _CTL + b"O" + _OFFER.pack(os.getpid(), self.host.fd, r.offset, r.cap)
+        self._send_whole(c, _HDR1.pack(1, 0, len(body)) + body)
+
+    def _control(self, c: _Conn, b0: Any) -> None:
+        op = b0[len(_CTL)]
+        if op == ord("O"):  # the peer offers its ring: we write there from our next send
+            pid, fd, offset, cap = _OFFER.unpack_from(b0, len(_CTL) + 1)
+            if not self.rings or c.rout is not None:
+                return
+            try:
+                c.rout_next = _ring.Ring.open(pid, fd, offset, cap, self.ctx + 1)
+                self.mapped.append(c.rout_next)
+            except (OSError, ValueError):
+                pass  # not ours to open (another user, no /proc): the socket alone
+        elif op == ord("S"):  # the peer writes to us in the ring from here on
+            r, c.offered = c.offered, None
+            if r is None:
+                return
+            c.rin = r
+            self.rins.append(c)
+            self.bell_seen = -1  # look at every ring at the next poll
+
+    def _switch(self, c: _Conn) -> _ring.Ring:
+        """Write to the peer's ring from now on: the frames queued for the
+        socket go first, then SWITCH, which tells the peer where to look."""
+        self._flush_conn(c)
+        body = _CTL + b"S"
+        if not self._send_whole(c, _HDR1.pack(1, 0, len(body)) + body):
+            raise ConnectionError(f"context {c.peer}: send failed")
+        r, c.rout_next = c.rout_next, None
+        c.rout = r
+        return r  # type: ignore[return-value]
+
+    def _ring_send(self, c: _Conn, r: _ring.Ring, parts: Sequence[object], load: int,
+                   now: bool) -> int:
+        if len(parts) == 1:
+            d = parts[0]
+            if type(d) is bytes or type(d) is bytearray:
+                n = len(d)
+                if n <= RING_FRAME_MAX:
+                    if not r.put(d, load):
+                        self._wait_room(c, r, d, load, 0)
+                    if now:
+                        self._wake(c, r)
+                    return 16 + n
+        frame = _small_frame(parts, load)
+        if frame is not None and len(frame) <= RING_FRAME_MAX:
+            if not r.put(frame, 0, _ring.MANY):
+                self._wait_room(c, r, frame, 0, _ring.MANY)
+            if now:
+                self._wake(c, r)
+            return len(frame)
+        # large: it travels on the socket, and a MARK in the ring keeps the order
+        if not r.put(b"", 0, _ring.MARK):
+            self._wait_room(c, r, b"", 0, _ring.MARK)
+        self._wake(c, r)
+        return self._sock_send(c, c.peer, parts, load)
+
+    def _wake(self, c: _Conn, r: _ring.Ring) -> None:
+        # the reader flags NAP, then looks at TAIL; we stored TAIL, now NAP
+        _ring.fence()
+        bell = r.bell
+        if bell[_ring.NAP] and not c.outq:  # (the bytes in flight will wake it)
+            bell[_ring.NAP] = 0
+            self._send_whole(c, _WAKE)
+
+    def _wait_room(self, c: _Conn, r: _ring.Ring, data: Any, load: int, kind: int) -> None:
+        # The peer's ring is full: it has not read for a while. Read what
+        # comes meanwhile (the peer may be waiting for room in ours), as
+        # _drain does for a socket.
+        while not r.put(data, load, kind):
+            if c.closed:
+                raise ConnectionError(f"context {c.peer}: connection closed")
+            if r.bell[_ring.NAP] and not c.outq:
+                r.bell[_ring.NAP] = 0
+                self._send_whole(c, _WAKE)
+            draining, self.draining = self.draining, True
+            try:
+                self._rings()
+                for fd, _ev in self.ep.poll(0.0002):
+                    self._event(fd)
+            finally:
+                self.draining = draining
+
+    def _rings(self) -> bool:
+        b = self.host.words[_ring.BELL]  # type: ignore[union-attr]
+        if b == self.bell_seen:
+            return False  # no peer wrote since we last looked
+        self.bell_seen = b
+        got = False
+        for c in self.rins:
+            r = c.rin
+            if r.words[_ring.TAIL] != r.pos:  # type: ignore[union-attr]
+                if c.reading:
+                    self.bell_seen = -1  # (being read further up the stack: look again)
+                    continue
+                got = self._ring_read(c) or got
+        return got
+
+    def _ring_read(self, c: _Conn, final: bool = False) -> bool:
+        """Deliver what ``c``'s ring holds, and the socket frames its MARKs
+        stand for (read from the socket if they have not been); stops at a
+        MARK whose frame has not come yet."""
+        r = c.rin
+        if r is None or c.reading:
+            return False
+        c.reading = True
+        got = False
+        try:
+            deliver, peer = self.deliver, c.peer
+            mm, mask, cap, words = r.mm, r.mask, r.cap, r.words
+            head = r.pos
+            while True:
+                tail = words[_ring.TAIL]
+                if head == tail:
+                    break
+                while head != tail:
+                    off = head & mask
+                    base = _ring.DATA + off
+                    n, load = _ring.ENTRY.unpack_from(mm, base)
+                    if n >= 0:
+                        data = mm[base + 8:base + 8 + n]
+                        head += 8 + ((n + 7) & -8)
+                        r.pos = head
+                        deliver(peer, [data], load)  # type: ignore[misc]
+                    elif n == _ring.WRAP:
+                        head += cap - off
+                        r.pos = head
+                        continue
+                    elif n == _ring.MARK:
+                        if not c.held and not final and not c.closed:
+                            self._read(c)  # its bytes were sent before we looked
+                        if not c.held:
+                            words[_ring.HEAD] = head
+                            return got  # still on its way: read again when it comes
+                        bufs, load = c.held.popleft()
+                        head += 8
+                        r.pos = head
+                        deliver(peer, bufs, load)  # type: ignore[misc]
+                    else:  # MANY: a frame of several buffers, framed as on a socket
+                        nb, fload = _HDR.unpack_from(mm, base + 8)
+                        lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
+                        pos = base + 16 + 8 * nb
+                        bufs = []
+                        for i, k in enumerate(lens):
+                            # as _parse gives them: the header bytes, the payloads writable
+                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mm[pos:pos + k]))
+                            pos += k
+                        head += 8 + ((load + 7) & -8)  # load: the frame's length here
+                        r.pos = head
+                        deliver(peer, bufs, fload)  # type: ignore[misc]
+                    got = True
+                # free the room only after the batch: one store, and the
+                # writer reads HEAD only when the ring looks full
+                words[_ring.HEAD] = head
+            if final:
+                while c.held:  # no MARK is left for these: deliver them all the same
+                    bufs, load = c.held.popleft()
+                    deliver(peer, bufs, load)  # type: ignore[misc]
+                    got = True
+        finally:
+            c.reading = False
+        return got
+
+    def nap(self, on: bool) -> bool:
+        """While ``on``, this context may not look at its rings for a while
+        (it sleeps on :meth:`fileno`, or user code runs): a peer that writes
+        to one then also pokes the socket beside it, so that the descriptor
+        is readable. True if a ring already holds frames (poll rather than
+        wait).
+
+        Example:
+            >>> t = LocalTransport(0, {})
+            >>> t.nap(True), t.nap(False)
+            (False, False)
+            >>> t.close()
+        """
+        host = self.host
+        if host is None:
+            return False
+        host.words[_ring.NAP] = 1 if on else 0
+        if not (on and self.rins):
+            return False
+        _ring.fence()  # our flag before their BELL (see _sleep)
+        return host.words[_ring.BELL] != self.bell_seen
+
+    def _from_socket(self, c: _Conn, bufs: List[Any], load: int) -> None:
+        """A frame from ``c``'s socket, on a transport with rings."""
+        if c.rin is not None:
+            if bufs:  # (no buffers: a poke, to wake us; poll then looks at the rings)
+                c.held.append((bufs, load))
+                if not c.reading:
+                    self._ring_read(c)
+            return
+        if not bufs:
+            return
+        b0 = bufs[0]
+        if len(bufs) == 1 and len(b0) > len(_CTL) and b0[0] == 0 and b0[:len(_CTL)] == _CTL:
+            self._control(c, b0)
+            return
+        self.deliver(c.peer, bufs, load)  # type: ignore[misc]
+
     # -- receiving -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> bool:
+        got = False
+        if self.rins:
+            got = self._rings()
+            if got:
+                # the sockets too, now and then: a peer lost, a connection made
+                self.ring_polls += 1
+                if self.ring_polls % _RING_LOOK:
+                    return True
+                timeout = 0
         events = self.ep.poll(0)
         if not events and timeout != 0:
             if self.spin_s > 0.0:
                 events = self._spin()
+                if events is None:
+                    return True  # a ring delivered
             if not events:
-                try:
-                    events = self.ep.poll(-1 if timeout is None else timeout)
-                except InterruptedError:
-                    events = []
-        got = False
+                events = self._sleep(timeout)
+                if events is None:
+                    return True
         for fd, _ev in events:
             c = self.byfd.get(fd)
             if c is not None:
                 got = self._read(c) or got
             elif fd == self.lfd:
                 got = self._accept() or got
+        if self.rins:
+            got = self._rings() or got  # (what woke us may be a poke)
         return got
 
-    def _spin(self) -> list:
+    def _spin(self) -> Optional[list]:
         # Poll for spin_s before sleeping: waking a sleeping process costs more
         # than a call. But spinning is only a win while this context has a core
         # to itself: a gap between two polls means we were preempted (more
@@ -777,8 +1058,11 @@ class LocalTransport(Transport):
         yield_ = os.sched_yield
         events: list = []
         last = now
+        rings = self._rings if self.rins else None
         while not events:
             yield_()  # lets a process waiting for this core run first
+            if rings is not None and rings():
+                return None
             events = poll(0)
             t = clock()
             if t - last > _PREEMPTED:
@@ -789,6 +1073,24 @@ class LocalTransport(Transport):
                 break
             last = t
         return events
+
+    def _sleep(self, timeout: Optional[float]) -> Optional[list]:
+        """Sleep in epoll until something arrives (None: a ring delivered)."""
+        rins = self.rins
+        # flag NAP, then look once more: a writer that stored its TAIL
+        # before our flag sees it and pokes the socket, or we see its TAIL
+        if rins and self.nap(True):
+            if not self.signalling:
+                self.nap(False)
+            self._rings()
+            return None
+        try:
+            return self.ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            return []
+        finally:
+            if rins and not self.signalling:
+                self.nap(False)
 
     def _read(self, c: _Conn) -> bool:
         got = False
@@ -880,7 +1182,11 @@ class LocalTransport(Transport):
         if c.peer < 0 and not self._hello(c):
             return False
         got = False
-        deliver = self.deliver
+        if self.rings:
+            def deliver(peer: int, bufs: List[Any], load: int, c: _Conn = c) -> None:
+                self._from_socket(c, bufs, load)
+        else:
+            deliver = self.deliver  # type: ignore[assignment]
         need = 0  # bytes from c.rs the step we stopped at waits for
         while True:
             # again after every delivery: handling a frame may read (and grow) c
@@ -930,7 +1236,7 @@ class LocalTransport(Transport):
                 if c.idx == c.nbufs:
                     bufs, c.bufs = c.bufs, []
                     c.state = 0
-                    self.deliver(c.peer, bufs, c.load)  # type: ignore[misc]
+                    deliver(c.peer, bufs, c.load)  # type: ignore[misc]
                     got = True
                     continue
                 n = c.lens[c.idx]
@@ -978,8 +1284,19 @@ class LocalTransport(Transport):
             self._read(c)
             if c.closed:
                 return
+        if c.rin is not None and not c.reading:
+            self._ring_read(c, final=True)  # what the peer wrote before it went comes first
+        elif c.held and not c.reading:
+            while c.held:
+                bufs, load = c.held.popleft()
+                self.deliver(c.peer, bufs, load)  # type: ignore[misc]
         c.closed = True
         c.outq.clear()
+        if c in self.rins:
+            self.rins.remove(c)
+        # dropped, not unmapped (close() does): a read or a send in progress
+        # further up the stack may still use them
+        c.rin = c.offered = c.rout = c.rout_next = None
         try:
             self.ep.unregister(c.fd)
         except (OSError, ValueError):
@@ -1028,6 +1345,14 @@ class LocalTransport(Transport):
                 c.sock.close()
             except OSError:
                 pass
+            c.rin = c.offered = c.rout = c.rout_next = None
+        self.rins = []
+        for r in self.mapped:
+            r.close()
+        self.mapped = []
+        if self.host is not None:
+            self.host.close()  # and every ring in it
+            self.host = None
         self.byfd.clear()
         try:
             self.ep.close()

@@ -1,0 +1,271 @@
+"""Shared-memory rings between contexts on one host: order with the socket,
+full rings, sleeping readers, peers that end, and the setting that turns
+them off."""
+
+import os
+import signal
+import socket
+import threading
+
+import pytest
+
+import macroflow as mf
+from macroflow.core.context import current_engine
+from macroflow.launch import rings_setting
+from macroflow.transport import local, ring
+from macroflow.transport.local import LocalTransport
+from macroflow.transport.ring import Ring
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(ring.problem() is not None, reason="no rings on this CPU")]
+
+
+def _pair(ring_bytes=local.RING_BYTES):
+    """Two transports in this process whose rings are in use both ways."""
+    a, b = socket.socketpair()
+    ta = LocalTransport(0, {1: a}, rings=True, ring_bytes=ring_bytes)
+    tb = LocalTransport(1, {0: b}, rings=True, ring_bytes=ring_bytes)
+    got_a, got_b = [], []
+    ta.attach(lambda src, bufs, load: got_a.append((src, [bytes(x) for x in bufs], load)),
+              lambda p, h: got_a.append(("lost", p, h)))
+    tb.attach(lambda src, bufs, load: got_b.append((src, [bytes(x) for x in bufs], load)),
+              lambda p, h: got_b.append(("lost", p, h)))
+    # each reads the other's offer, and switches at its first send
+    ta.poll(1.0)
+    tb.poll(1.0)
+    ta.send(1, [b"hello"], 0)
+    tb.send(0, [b"hello"], 0)
+    while len(got_a) < 1 or len(got_b) < 1:
+        ta.poll(0.1)
+        tb.poll(0.1)
+    assert ta.conns[1].rout is not None and tb.conns[0].rout is not None
+    assert ta.rins and tb.rins
+    del got_a[:], got_b[:]
+    return ta, tb, got_a, got_b
+
+
+def _count_socket_writes(monkeypatch, t):
+    writes = []
+    send_whole = t._send_whole
+    monkeypatch.setattr(t, "_send_whole", lambda c, data: writes.append(len(data)) or
+                        send_whole(c, data))
+    return writes
+
+
+def test_ring_entries_wrap_and_a_full_ring_refuses_without_writing():
+    r = Ring.create(256)
+    w = Ring.open(os.getpid(), r.host.fd, r.offset, 256, ident=1)
+    try:
+        sent, out = [], []
+        for i in range(40):
+            frame = bytes([i]) * (i % 50)
+            while not w.put(frame, i):
+                got = r.take()  # the reader frees room
+                assert got, "a full ring with nothing in it"
+                out += got
+            sent.append((frame, i))
+        assert w.pos > 256  # it wrapped
+        out += r.take()
+        assert [(bytes(b), load) for b, load in out] == sent
+        with pytest.raises(ValueError, match="power of two"):
+            r.host.ring(100)
+    finally:
+        r.close()
+        w.close()
+
+
+def test_small_frames_take_the_ring_and_make_no_socket_write(monkeypatch):
+    ta, tb, _, got_b = _pair()
+    try:
+        writes = _count_socket_writes(monkeypatch, ta)
+        for i in range(100):
+            ta.send(1, [b"m%d" % i], i)
+        for i in range(100, 200):
+            ta.queue(1, [b"m%d" % i], i)
+        ta.flush()
+        while len(got_b) < 200:
+            tb.poll(1.0)
+        assert writes == []
+        assert [g[1] for g in got_b] == [[b"m%d" % i] for i in range(200)]
+        assert [g[2] for g in got_b] == list(range(200))
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_large_and_many_buffer_frames_keep_their_place_among_ring_frames():
+    ta, tb, _, got_b = _pair(ring_bytes=1 << 16)
+    try:
+        sent = []
+        for i in range(120):
+            if i % 7 == 0:
+                parts = [b"big%d" % i, os.urandom(local.RING_FRAME_MAX + 1000 * i)]  # socket
+            elif i % 5 == 0:
+                parts = [b"many%d" % i, os.urandom(100 + i), os.urandom(i)]  # MANY in the ring
+            else:
+                parts = [b"one%d" % i]
+            ta.send(1, parts, i)
+            sent.append(parts)
+            if i % 10 == 0:
+                tb.poll(0)  # the reader keeps up now and then, mid-stream
+        while len(got_b) < len(sent):
+            tb.poll(1.0)
+        assert [g[1] for g in got_b] == sent
+        assert [g[2] for g in got_b] == list(range(120))
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_a_writer_whose_ring_is_full_waits_for_the_reader_and_loses_nothing():
+    ta, tb, got_a, got_b = _pair(ring_bytes=4096)
+    done = threading.Event()
+
+    def reader():
+        while not done.is_set() or tb.rins[0].rin.pending():
+            tb.poll(0.01)
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        for i in range(3000):  # ~60 times the ring
+            ta.send(1, [b"%05d" % i + b"." * 70], i)
+    finally:
+        done.set()
+        th.join()
+    try:
+        tb.poll(0)
+        assert [g[1][0][:5] for g in got_b] == [b"%05d" % i for i in range(3000)]
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_a_sleeping_reader_is_woken_by_a_ring_frame():
+    ta, tb, _, got_b = _pair()
+    woke = []
+    th = threading.Thread(target=lambda: woke.append(tb.poll(30.0)))
+    th.start()
+    try:
+        # the reader flags NAP before it sleeps; wait for the flag, then write
+        nap = tb.host.words
+        while not nap[ring.NAP] and th.is_alive():
+            pass
+        ta.send(1, [b"wake up"], 0)
+        th.join(20.0)
+        assert woke == [True] and got_b == [(0, [b"wake up"], 0)]
+        assert nap[ring.NAP] == 0  # awake: writers no longer poke
+    finally:
+        th.join()
+        ta.close()
+        tb.close()
+
+
+def test_what_a_peer_wrote_before_it_ended_arrives_before_it_is_lost():
+    ta, tb, got_a, got_b = _pair()
+    for i in range(50):
+        ta.send(1, [b"last%d" % i], 0)
+    ta.close()
+    try:
+        for _ in range(20):
+            tb.poll(0.5)
+            if got_b and got_b[-1][0] == "lost":
+                break
+        assert got_b[:-1] == [(0, [b"last%d" % i], 0) for i in range(50)]
+        assert got_b[-1] == ("lost", 0, "connection closed")
+        assert tb.rins == []
+    finally:
+        tb.close()
+
+
+def test_a_frame_that_starts_like_a_control_frame_but_is_not_one_is_delivered():
+    ta, tb, _, got_b = _pair()
+    try:
+        odd = local._CTL + b"X"  # a ring hand-shake op that does not exist
+        ta.send(1, [odd, b"payload" * 20000], 0)  # a socket frame of two buffers
+        ta.send(1, [b"after"], 1)
+        while len(got_b) < 2:
+            tb.poll(1.0)
+        assert got_b[0][1][0] == odd and got_b[1][1] == [b"after"]
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_the_setting_turns_rings_off_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv("MACROFLOW_RINGS", raising=False)
+    assert rings_setting() is True
+    monkeypatch.setenv("MACROFLOW_RINGS", "0")
+    assert rings_setting() is False
+    monkeypatch.setenv("MACROFLOW_RINGS", "yes")
+    with pytest.raises(ValueError, match="MACROFLOW_RINGS.*'yes'"):
+        rings_setting()
+
+
+@mf.persistent
+class _Probe:
+    def rings(self):
+        t = current_engine().transport
+        return len(t.rins), sum(c.rout is not None for c in t.conns.values())
+
+    def null(self, i):
+        return i
+
+
+def _socket_writes_of_calls(n):
+    """The frames context 0 writes to a socket while it makes n calls (after
+    the first few, which may still find the rings being set up)."""
+    p = _Probe.create(on=1)
+    for i in range(20):
+        p.null(i).result()
+    rings_1 = p.rings().result()
+    t0 = current_engine().transport
+    writes = []
+    send_whole = t0._send_whole
+    # a poke (to a peer that had gone to sleep) carries no frame
+    t0._send_whole = lambda c, data: (data != local._WAKE and writes.append(len(data))) or \
+        send_whole(c, data)
+    try:
+        for i in range(n):
+            assert p.null(i).result() == i
+    finally:
+        del t0._send_whole
+    return rings_1, len(writes)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_calls_between_contexts_use_the_rings_unless_turned_off(monkeypatch, setting):
+    monkeypatch.setenv("MACROFLOW_RINGS", setting)
+    rings, writes = mf.run(_socket_writes_of_calls, 100, contexts=2, transport="local")
+    if setting == "1":
+        assert rings == (1, 1) and writes == 0
+    else:
+        assert rings == (0, 0) and writes >= 100  # each call (and a release)
+
+
+@mf.persistent
+class _Victim:
+    def pid(self):
+        return os.getpid()
+
+    def wait(self):
+        return 1
+
+
+def _kill_then_call():
+    v = _Victim.create(on=1)
+    os.kill(v.pid().result(), signal.SIGKILL)
+    futs = [v.wait() for _ in range(50)]  # into its ring, never read
+    lost = 0
+    for f in futs:
+        try:
+            f.result(timeout=30)
+        except mf.ContextLost:
+            lost += 1
+    return lost
+
+
+@pytest.mark.timeout(120)
+def test_a_context_killed_while_frames_wait_in_its_ring_fails_its_futures():
+    assert mf.run(_kill_then_call, contexts=2, transport="local") == 50
