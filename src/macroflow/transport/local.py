@@ -26,6 +26,20 @@ one receiver arrive in order even when both ends connect at the same moment.
 Waiting: a context that just did something polls for ``spin_us`` before it
 sleeps in epoll, because waking a sleeping process on the other core costs
 ~30 us here, more than all the Python work of a call (see docs/benchmarks.md).
+
+Rings (``rings=True``, as the launcher makes contexts unless MACROFLOW_RINGS=0):
+each side of a connection offers the peer a shared-memory ring to write to it
+(:mod:`macroflow.transport.ring`: every ring a process reads is in one memfd).
+The peer maps it, sends SWITCH on the socket and from then on writes every
+frame of up to ``RING_FRAME_MAX`` bytes there: a copy and three stores, no
+system call, and the reader finds it at its next poll by a single load (the
+host's BELL). A larger frame still travels on the socket, behind a MARK in the
+ring; the reader holds socket frames until it reaches their MARKs, so the
+order per direction is the order sent. A reader about to sleep flags NAP, and
+a writer that sees the flag pokes the socket with a frame of no buffers, which
+wakes the reader's epoll. A writer whose ring is full waits as it does for a
+full socket, reading meanwhile. The socket also tells that the peer ended:
+what its ring still holds is delivered before the peer is reported lost.
 """
 
 from __future__ import annotations
