@@ -211,6 +211,31 @@ def test_a_busy_context_serves_a_value_it_holds(monkeypatch, gate, mechanism, ki
     assert mf.run(main, contexts=2, transport="local") == (42, "ended")
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_a_context_busy_twice_is_served_both_times(monkeypatch, gate, mechanism):
+    # The service outlives a busy period: its watcher once died at the idle
+    # sample after the first, and a second busy period was served by nobody.
+    monkeypatch.setenv("MACROFLOW_SERVICE", mechanism)
+    r, open_gate = gate
+
+    def main():
+        h, b = Holder.create(on=1), Busy.create(on=1)
+        got = []
+        for i in range(2):
+            lazy(h)
+            f = h.value(10 + i)
+            busy = b.compute("sleep", r)
+            got.append(f.result(timeout=20))
+            open_gate()
+            got.append(busy.result(timeout=20))
+            os.read(r, 1)  # close the gate again
+            time.sleep(0.2)  # idle: the watcher samples an idle context between the two
+        return got
+
+    assert mf.run(main, contexts=2, transport="local") == [10, "ended", 11, "ended"]
+
+
 @pytest.mark.timeout(60)
 def test_mf_poll_serves_where_no_mechanism_does(monkeypatch, gate):
     monkeypatch.setenv("MACROFLOW_SERVICE", "poll")

@@ -362,8 +362,8 @@ class ServiceThread(Service):
                         if eng.user and eng.epoch == e and not self.stopped:
                             self.serve()
                             watching = True
-                            nap = getattr(getattr(eng, "transport", None), "nap", None)
-                            waiting = nap is not None and nap(True)
+                            flag = getattr(getattr(eng, "transport", None), "nap", None)
+                            waiting = flag is not None and flag(True)
                     finally:
                         self.busy = False
         finally:
