@@ -432,7 +432,14 @@ class Engine:
         if fid is None:
             fid = (self.id, next(self.seq))
         arcs = None
-        if (args and _has_future(args)) or (kwargs and _has_future(kwargs.values())):
+        plain = not kwargs
+        if plain:
+            for a in args:
+                if type(a) not in _PLAIN:
+                    plain = False
+                    break
+        if not plain and ((args and _has_future(args))
+                          or (kwargs and _has_future(kwargs.values()))):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
         eager = site is not None and site.strict >= 2
         # the caller's manager placed it: that decision is the first of transfer_limit moves
@@ -440,8 +447,13 @@ class Engine:
         running = getattr(getcurrent(), "call", None)
         caller = self.id if running is None else running.fid
         try:
-            data, bufs = _encode((CALL, fid, kind, target, method, args, kwargs, arcs, route,
-                                  caller))
+            msg = (CALL, fid, kind, target, method, args, kwargs, arcs, route, caller)
+            # arguments of plain values only: the C pickler, as for a plain result
+            # (the target is a model's tuple of ids, or a class the encoder must see)
+            if plain and _plain_ids(target):
+                data, bufs = _pdumps(msg, 5), None
+            else:
+                data, bufs = _encode(msg)
         except errors.StaleReference:
             raise  # a future of another computation inside the arguments: as it is
         except Exception as e:  # a __reduce__ may raise anything
@@ -2184,6 +2196,25 @@ def _raw(p) -> memoryview:
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _ATOMS = frozenset((int, float, str, bytes, bool, type(None), complex))
 _DEEP = 50  # nesting beyond this is searched without recursion (it may be a cycle)
+
+
+def _plain_ids(target) -> bool:
+    """Whether a call's target is a tuple of tuples of ints (an object's id,
+    say), which the C pickler writes as the runtime's encoder would.
+
+    Example:
+        >>> _plain_ids(((0, 3),)), _plain_ids((int, (), {})), _plain_ids("stats")
+        (True, False, False)
+    """
+    if type(target) is not tuple:
+        return False
+    for t in target:
+        if type(t) is not tuple:
+            return False
+        for x in t:
+            if type(x) is not int:
+                return False
+    return True
 
 
 def _has_future(xs, depth: int = 0) -> bool:
