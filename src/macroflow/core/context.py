@@ -686,7 +686,9 @@ class Engine:
             self.run_pollers()
         else:
             self.transport.poll(timeout)
-        self.process()
+        # (a value taken as it was read, the commonest arrival, leaves nothing to process)
+        if self.inbox or self.ready or self.lost_queue or self.timers or self.retire is not None:
+            self.process()
 
     def add_poller(self, fn: Callable[[], bool], spin: float = POLLER_SPIN) -> None:
         """Call ``fn()`` at every step until it returns True (see ``pollers``);
