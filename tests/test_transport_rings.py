@@ -269,3 +269,25 @@ def _kill_then_call():
 @pytest.mark.timeout(120)
 def test_a_context_killed_while_frames_wait_in_its_ring_fails_its_futures():
     assert mf.run(_kill_then_call, contexts=2, transport="local") == 50
+
+
+def test_a_reader_that_signals_arrivals_is_poked_for_every_frame_it_has_not_seen(monkeypatch):
+    # a context in user code is told of frames by SIGIO: the poke a writer
+    # sends clears NAP, and the reader's next look must flag it again, or
+    # frames after the first raise no signal (served late, by the fallback)
+    signals = []
+    old = signal.signal(signal.SIGIO, lambda *a: signals.append(1))
+    ta, tb, _, got_b = _pair()
+    try:
+        writes = _count_socket_writes(monkeypatch, ta)
+        tb.signal_arrivals(True)
+        for i in range(5):
+            ta.send(1, [b"req%d" % i], 0)
+            tb.poll(0)  # what the handler does: serve what came
+            assert got_b[-1] == (0, [b"req%d" % i], 0)
+        assert writes == [len(local._WAKE)] * 5
+        tb.signal_arrivals(False)
+    finally:
+        ta.close()
+        tb.close()
+        signal.signal(signal.SIGIO, old)

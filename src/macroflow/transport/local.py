@@ -1031,6 +1031,10 @@ class LocalTransport(Transport):
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
         if self.rins:
+            if self.signalling and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
+                # a writer that poked us cleared NAP: flag it again before
+                # this look, or the next frame would raise no signal
+                self.nap(True)
             got = self._rings()
             if got:
                 # the sockets too, now and then: a peer lost, a connection made
