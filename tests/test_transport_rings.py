@@ -291,3 +291,23 @@ def test_a_reader_that_signals_arrivals_is_poked_for_every_frame_it_has_not_seen
         ta.close()
         tb.close()
         signal.signal(signal.SIGIO, old)
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_too_large_to_fit_a_small_ring_at_every_position_travels_on_the_socket():
+    # 3000 bytes fit a ring of 4096 only where the ring's end does not fall
+    # inside them: wherever it does, it would wait for room for ever
+    ta, tb, _, got_b = _pair(ring_bytes=4096)
+    try:
+        sent = []
+        for i, n in enumerate([1000, 3000, 2100, 3000, 5000, 2040, 2050, 3000, 10]):
+            parts = [b"%d" % i * n] if i % 2 else [b"h%d" % i, b"%d" % i * n]  # one buffer, MANY
+            ta.send(1, parts, i)
+            sent.append(parts)
+            while len(got_b) < len(sent):
+                tb.poll(1.0)
+        assert [g[1] for g in got_b] == sent
+        assert [g[2] for g in got_b] == list(range(len(sent)))
+    finally:
+        ta.close()
+        tb.close()

@@ -31,7 +31,7 @@ Rings (``rings=True``, as the launcher makes contexts unless MACROFLOW_RINGS=0):
 each side of a connection offers the peer a shared-memory ring to write to it
 (:mod:`macroflow.transport.ring`: every ring a process reads is in one memfd).
 The peer maps it, sends SWITCH on the socket and from then on writes every
-frame of up to ``RING_FRAME_MAX`` bytes there: a copy and three stores, no
+frame of up to ``RING_FRAME_MAX`` bytes (half the ring, if less) there: a copy and three stores, no
 system call, and the reader finds it at its next poll by a single load (the
 host's BELL). A larger frame still travels on the socket, behind a MARK in the
 ring; the reader holds socket frames until it reaches their MARKs, so the
@@ -388,7 +388,7 @@ def _set_async(fd: int, on: bool) -> None:
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
                  "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf",
-                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke")
+                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke", "rmax")
 
     def __init__(self, peer: int, sock: socket.socket):
         self.peer = peer
@@ -417,6 +417,7 @@ class _Conn:
         self.held: deque = deque()  # socket frames waiting for their MARK in rin
         self.reading = False  # in _ring_read
         self.poke = False  # frames queued in rout: see if the reader naps at flush()
+        self.rmax = 0  # the largest frame that goes in rout (see _switch)
 
 
 class LocalTransport(Transport):
@@ -855,6 +856,9 @@ class LocalTransport(Transport):
         if not self._send_whole(c, _HDR1.pack(1, 0, len(body)) + body):
             raise ConnectionError(f"context {c.peer}: send failed")
         r, c.rout_next = c.rout_next, None
+        # an entry of up to half the ring fits once the reader has caught up,
+        # wherever the ring's end falls; a larger one might never fit
+        c.rmax = min(RING_FRAME_MAX, (r.cap >> 1) - 16)  # type: ignore[union-attr]
         c.rout = r
         return r  # type: ignore[return-value]
 
@@ -864,14 +868,14 @@ class LocalTransport(Transport):
             d = parts[0]
             if type(d) is bytes or type(d) is bytearray:
                 n = len(d)
-                if n <= RING_FRAME_MAX:
+                if n <= c.rmax:
                     if not r.put(d, load):
                         self._wait_room(c, r, d, load, 0)
                     if now:
                         self._wake(c, r)
                     return 16 + n
         frame = _small_frame(parts, load)
-        if frame is not None and len(frame) <= RING_FRAME_MAX:
+        if frame is not None and len(frame) <= c.rmax:
             if not r.put(frame, 0, _ring.MANY):
                 self._wait_room(c, r, frame, 0, _ring.MANY)
             if now:
