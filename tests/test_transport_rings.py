@@ -5,6 +5,7 @@ them off."""
 import os
 import signal
 import socket
+import struct
 import threading
 
 import pytest
@@ -308,6 +309,36 @@ def test_a_frame_too_large_to_fit_a_small_ring_at_every_position_travels_on_the_
                 tb.poll(1.0)
         assert [g[1] for g in got_b] == sent
         assert [g[2] for g in got_b] == list(range(len(sent)))
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_a_large_frame_started_while_a_marked_frame_is_delivered_arrives_whole(monkeypatch):
+    # the socket is read (its parse delivers the frame of the ring's first
+    # MARK) while a second MARK waits in the ring for a large frame that has
+    # only begun to arrive: reading the socket again from inside that parse
+    # started the large buffer behind its back, and the stream was lost
+    monkeypatch.setattr(local, "_STALL", 0.05)  # the wait for the rest of a large buffer
+    ta, tb, _, got_b = _pair()
+    try:
+        c = ta.conns[1]
+        first = [b"first" * 20]
+        large = [b"head", bytes(range(256)) * 1200]  # received in place (> _BIG)
+        wire1 = local._HDR1.pack(1, 0, len(first[0])) + first[0]
+        wire2 = local._HDR.pack(2, 0) + struct.pack("<2Q", *map(len, large)) + b"".join(large)
+        cut = len(wire2) // 3  # more than the first read takes (a 16 KiB buffer)
+        for _ in range(2):
+            assert c.rout.put(b"", 0, ring.MARK)  # as ta's sends of these frames do
+        c.sock.sendall(wire1 + wire2[:cut])
+        tb._read(tb.conns[0])  # what poll does when epoll says the socket is readable
+        c.sock.sendall(wire2[cut:])
+        ta.send(1, [b"after"], 0)
+        for _ in range(100):  # (a lost stream never delivers the rest)
+            if len(got_b) == 3:
+                break
+            tb.poll(0.05)
+        assert [g[1] for g in got_b] == [first, large, [b"after"]]
     finally:
         ta.close()
         tb.close()

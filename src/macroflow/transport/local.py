@@ -928,10 +928,13 @@ class LocalTransport(Transport):
                 got = self._ring_read(c) or got
         return got
 
-    def _ring_read(self, c: _Conn, final: bool = False) -> bool:
+    def _ring_read(self, c: _Conn, final: bool = False, parsing: bool = False) -> bool:
         """Deliver what ``c``'s ring holds, and the socket frames its MARKs
         stand for (read from the socket if they have not been); stops at a
-        MARK whose frame has not come yet."""
+        MARK whose frame has not come yet. ``parsing``: called from the parse
+        of ``c``'s socket, which is not to be entered again (a read in its
+        middle may start a large buffer that parse knows nothing of); it
+        goes on, and brings the frame when it comes."""
         r = c.rin
         if r is None or c.reading:
             return False
@@ -959,7 +962,7 @@ class LocalTransport(Transport):
                         r.pos = head
                         continue
                     elif n == _ring.MARK:
-                        if not c.held and not final and not c.closed:
+                        if not c.held and not final and not c.closed and not parsing:
                             self._read(c)  # its bytes were sent before we looked
                         if not c.held:
                             words[_ring.HEAD] = head
@@ -1021,7 +1024,7 @@ class LocalTransport(Transport):
             if bufs:  # (no buffers: a poke, to wake us; poll then looks at the rings)
                 c.held.append((bufs, load))
                 if not c.reading:
-                    self._ring_read(c)
+                    self._ring_read(c, parsing=True)
             return
         if not bufs:
             return
