@@ -342,3 +342,39 @@ def test_a_large_frame_started_while_a_marked_frame_is_delivered_arrives_whole(m
     finally:
         ta.close()
         tb.close()
+
+
+def test_a_peer_lost_while_its_ring_is_read_does_not_hide_the_next_peers_frames():
+    # context 1 reads the rings of 0 and 2; 0 wrote a MARK and ended before
+    # its large frame: reading for it finds the end, and the connection
+    # leaves the list of rings being gone through. 2's frame, in the next
+    # ring, must still be found (2 does not poke: 1 was awake)
+    a0, a1 = socket.socketpair()
+    c1, c2 = socket.socketpair()
+    t0 = LocalTransport(0, {1: a0}, rings=True)
+    t1 = LocalTransport(1, {0: a1, 2: c1}, rings=True)
+    t2 = LocalTransport(2, {1: c2}, rings=True)
+    got = []
+    try:
+        for t in (t0, t1, t2):
+            t.attach(lambda src, bufs, load: got.append((src, [bytes(b) for b in bufs])),
+                     lambda p, h: got.append(("lost", p)))
+        for t in (t0, t2, t1):
+            t.poll(0.1)  # the offers
+        for t in (t0, t2):  # each switches to its ring at its first send; 0's is read first
+            t.send(1, [b"hello"], 0)
+            t1.poll(0.1)
+        assert [c.peer for c in t1.rins] == [0, 2] and len(got) == 2
+        del got[:]
+        assert t0.conns[1].rout.put(b"", 0, ring.MARK)
+        t0.close()
+        t2.send(1, [b"from 2"], 0)
+        for _ in range(20):
+            if len(got) == 2:
+                break
+            t1.poll(0.05)
+        assert got == [("lost", 0), (2, [b"from 2"])]
+    finally:
+        t0.close()
+        t1.close()
+        t2.close()

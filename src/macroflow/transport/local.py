@@ -1319,6 +1319,9 @@ class LocalTransport(Transport):
         c.outq.clear()
         if c in self.rins:
             self.rins.remove(c)
+            # _rings may be going through the list (this close came from a
+            # MARK's read): the ring after this one is skipped, so look again
+            self.bell_seen = -1
         # dropped, not unmapped (close() does): a read or a send in progress
         # further up the stack may still use them
         c.rin = c.offered = c.rout = c.rout_next = None
