@@ -378,3 +378,40 @@ def test_a_peer_lost_while_its_ring_is_read_does_not_hide_the_next_peers_frames(
         t0.close()
         t1.close()
         t2.close()
+
+
+def _ring_maps():
+    with open("/proc/self/maps") as f:
+        return sum("macroflow-rings" in line for line in f)
+
+
+def test_the_rings_of_a_lost_peer_are_unmapped_and_their_pages_given_back():
+    # a context that talks with contexts added and removed while it runs
+    # would otherwise keep, for each, its own ring (1 MiB once filled) and a
+    # mapping that keeps the other's whole memfd alive
+    before = _ring_maps()
+    ta, tb, got_a, got_b = _pair(ring_bytes=1 << 16)
+    try:
+        for i in range(100):  # both rings go round (their pages are touched)
+            ta.send(1, [b"a" * 1000], i)
+            tb.send(0, [b"b" * 1000], i)
+            ta.poll(0)
+            tb.poll(0)
+        mine = tb.host.rings[0]
+        assert mine.words[ring.TAIL] > 1 << 16
+        assert os.fstat(tb.host.fd).st_blocks * 512 > 1 << 16  # its pages, in tb's memfd
+        ta.close()
+        for _ in range(20):
+            if got_b and got_b[-1][0] == "lost":
+                break
+            tb.poll(0.05)
+        assert got_b[-1] == ("lost", 0, "connection closed")
+        tb.poll(0)
+        # only tb's first page is left (BELL and NAP)
+        assert _ring_maps() - before == 1
+        assert tb.host.rings == [] and tb.mapped == []
+        assert os.fstat(tb.host.fd).st_blocks * 512 <= ring.PAGE
+    finally:
+        ta.close()
+        tb.close()
+    assert _ring_maps() == before

@@ -31,15 +31,17 @@ Rings (``rings=True``, as the launcher makes contexts unless MACROFLOW_RINGS=0):
 each side of a connection offers the peer a shared-memory ring to write to it
 (:mod:`macroflow.transport.ring`: every ring a process reads is in one memfd).
 The peer maps it, sends SWITCH on the socket and from then on writes every
-frame of up to ``RING_FRAME_MAX`` bytes (half the ring, if less) there: a copy and three stores, no
-system call, and the reader finds it at its next poll by a single load (the
-host's BELL). A larger frame still travels on the socket, behind a MARK in the
+frame of up to ``RING_FRAME_MAX`` bytes (half the ring, if less) there: a copy
+and three stores, no system call, and the reader finds it at its next poll by
+a single load (the host's BELL). A larger frame still travels on the socket, behind a MARK in the
 ring; the reader holds socket frames until it reaches their MARKs, so the
 order per direction is the order sent. A reader about to sleep flags NAP, and
 a writer that sees the flag pokes the socket with a frame of no buffers, which
 wakes the reader's epoll. A writer whose ring is full waits as it does for a
 full socket, reading meanwhile. The socket also tells that the peer ended:
-what its ring still holds is delivered before the peer is reported lost.
+what its ring still holds is delivered before the peer is reported lost, and
+at the next poll the rings of that connection are unmapped, the pages of ours
+given back.
 """
 
 from __future__ import annotations
@@ -458,6 +460,7 @@ class LocalTransport(Transport):
         self.host: Optional[_ring.RingHost] = None  # where those rings are (made at the first)
         self.bell_seen = 0  # the host's BELL when we last looked at the rings
         self.mapped: List[_ring.Ring] = []  # peers' rings we write to, unmapped at close()
+        self.dead: List[_ring.Ring] = []  # rings of closed connections: see _close
         self.ring_polls = 0
         self.spin_s = spin_us / 1e6
         self.conns: Dict[int, _Conn] = {}  # peer -> the connection frames to it go on
@@ -1037,6 +1040,8 @@ class LocalTransport(Transport):
     # -- receiving -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
+        if self.dead:
+            self._bury()
         if self.rins:
             if self.signalling and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
                 # a writer that poked us cleared NAP: flag it again before
@@ -1068,6 +1073,20 @@ class LocalTransport(Transport):
         if self.rins:
             got = self._rings() or got  # (what woke us may be a poke)
         return got
+
+    def _bury(self) -> None:
+        """Unmap the rings of closed connections (poll calls it first thing:
+        no transport code is running further up the stack then), and give
+        the pages of ours back: a context that talks with contexts added and
+        removed while it runs would keep a ring for each otherwise."""
+        dead, self.dead = self.dead, []
+        for r in dead:
+            if r.host is self.host:
+                self.host.drop(r)  # type: ignore[union-attr]
+            else:
+                r.close()
+                if r in self.mapped:
+                    self.mapped.remove(r)
 
     def _spin(self) -> Optional[list]:
         # Poll for spin_s before sleeping: waking a sleeping process costs more
@@ -1322,8 +1341,12 @@ class LocalTransport(Transport):
             # _rings may be going through the list (this close came from a
             # MARK's read): the ring after this one is skipped, so look again
             self.bell_seen = -1
-        # dropped, not unmapped (close() does): a read or a send in progress
-        # further up the stack may still use them
+        # unmapped (and our own rings' pages given back) at the next poll,
+        # not now: a read or a send in progress further up the stack may
+        # still use them
+        for r in (c.rin, c.offered, c.rout, c.rout_next):
+            if r is not None:
+                self.dead.append(r)
         c.rin = c.offered = c.rout = c.rout_next = None
         try:
             self.ep.unregister(c.fd)
@@ -1375,6 +1398,7 @@ class LocalTransport(Transport):
                 pass
             c.rin = c.offered = c.rout = c.rout_next = None
         self.rins = []
+        self.dead = []  # (every one is in mapped or in the host)
         for r in self.mapped:
             r.close()
         self.mapped = []
