@@ -5,6 +5,7 @@ them off."""
 import os
 import signal
 import socket
+import struct
 import threading
 
 import pytest
@@ -269,3 +270,148 @@ def _kill_then_call():
 @pytest.mark.timeout(120)
 def test_a_context_killed_while_frames_wait_in_its_ring_fails_its_futures():
     assert mf.run(_kill_then_call, contexts=2, transport="local") == 50
+
+
+def test_a_reader_that_signals_arrivals_is_poked_for_every_frame_it_has_not_seen(monkeypatch):
+    # a context in user code is told of frames by SIGIO: the poke a writer
+    # sends clears NAP, and the reader's next look must flag it again, or
+    # frames after the first raise no signal (served late, by the fallback)
+    signals = []
+    old = signal.signal(signal.SIGIO, lambda *a: signals.append(1))
+    ta, tb, _, got_b = _pair()
+    try:
+        writes = _count_socket_writes(monkeypatch, ta)
+        tb.signal_arrivals(True)
+        for i in range(5):
+            ta.send(1, [b"req%d" % i], 0)
+            tb.poll(0)  # what the handler does: serve what came
+            assert got_b[-1] == (0, [b"req%d" % i], 0)
+        assert writes == [len(local._WAKE)] * 5
+        tb.signal_arrivals(False)
+    finally:
+        ta.close()
+        tb.close()
+        signal.signal(signal.SIGIO, old)
+
+
+@pytest.mark.timeout(30)
+def test_a_frame_too_large_to_fit_a_small_ring_at_every_position_travels_on_the_socket():
+    # 3000 bytes fit a ring of 4096 only where the ring's end does not fall
+    # inside them: wherever it does, it would wait for room for ever
+    ta, tb, _, got_b = _pair(ring_bytes=4096)
+    try:
+        sent = []
+        for i, n in enumerate([1000, 3000, 2100, 3000, 5000, 2040, 2050, 3000, 10]):
+            parts = [b"%d" % i * n] if i % 2 else [b"h%d" % i, b"%d" % i * n]  # one buffer, MANY
+            ta.send(1, parts, i)
+            sent.append(parts)
+            while len(got_b) < len(sent):
+                tb.poll(1.0)
+        assert [g[1] for g in got_b] == sent
+        assert [g[2] for g in got_b] == list(range(len(sent)))
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_a_large_frame_started_while_a_marked_frame_is_delivered_arrives_whole(monkeypatch):
+    # the socket is read (its parse delivers the frame of the ring's first
+    # MARK) while a second MARK waits in the ring for a large frame that has
+    # only begun to arrive: reading the socket again from inside that parse
+    # started the large buffer behind its back, and the stream was lost
+    monkeypatch.setattr(local, "_STALL", 0.05)  # the wait for the rest of a large buffer
+    ta, tb, _, got_b = _pair()
+    try:
+        c = ta.conns[1]
+        first = [b"first" * 20]
+        large = [b"head", bytes(range(256)) * 1200]  # received in place (> _BIG)
+        wire1 = local._HDR1.pack(1, 0, len(first[0])) + first[0]
+        wire2 = local._HDR.pack(2, 0) + struct.pack("<2Q", *map(len, large)) + b"".join(large)
+        cut = len(wire2) // 3  # more than the first read takes (a 16 KiB buffer)
+        for _ in range(2):
+            assert c.rout.put(b"", 0, ring.MARK)  # as ta's sends of these frames do
+        c.sock.sendall(wire1 + wire2[:cut])
+        tb._read(tb.conns[0])  # what poll does when epoll says the socket is readable
+        c.sock.sendall(wire2[cut:])
+        ta.send(1, [b"after"], 0)
+        for _ in range(100):  # (a lost stream never delivers the rest)
+            if len(got_b) == 3:
+                break
+            tb.poll(0.05)
+        assert [g[1] for g in got_b] == [first, large, [b"after"]]
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_a_peer_lost_while_its_ring_is_read_does_not_hide_the_next_peers_frames():
+    # context 1 reads the rings of 0 and 2; 0 wrote a MARK and ended before
+    # its large frame: reading for it finds the end, and the connection
+    # leaves the list of rings being gone through. 2's frame, in the next
+    # ring, must still be found (2 does not poke: 1 was awake)
+    a0, a1 = socket.socketpair()
+    c1, c2 = socket.socketpair()
+    t0 = LocalTransport(0, {1: a0}, rings=True)
+    t1 = LocalTransport(1, {0: a1, 2: c1}, rings=True)
+    t2 = LocalTransport(2, {1: c2}, rings=True)
+    got = []
+    try:
+        for t in (t0, t1, t2):
+            t.attach(lambda src, bufs, load: got.append((src, [bytes(b) for b in bufs])),
+                     lambda p, h: got.append(("lost", p)))
+        for t in (t0, t2, t1):
+            t.poll(0.1)  # the offers
+        for t in (t0, t2):  # each switches to its ring at its first send; 0's is read first
+            t.send(1, [b"hello"], 0)
+            t1.poll(0.1)
+        assert [c.peer for c in t1.rins] == [0, 2] and len(got) == 2
+        del got[:]
+        assert t0.conns[1].rout.put(b"", 0, ring.MARK)
+        t0.close()
+        t2.send(1, [b"from 2"], 0)
+        for _ in range(20):
+            if len(got) == 2:
+                break
+            t1.poll(0.05)
+        assert got == [("lost", 0), (2, [b"from 2"])]
+    finally:
+        t0.close()
+        t1.close()
+        t2.close()
+
+
+def _ring_maps():
+    with open("/proc/self/maps") as f:
+        return sum("macroflow-rings" in line for line in f)
+
+
+def test_the_rings_of_a_lost_peer_are_unmapped_and_their_pages_given_back():
+    # a context that talks with contexts added and removed while it runs
+    # would otherwise keep, for each, its own ring (1 MiB once filled) and a
+    # mapping that keeps the other's whole memfd alive
+    before = _ring_maps()
+    ta, tb, got_a, got_b = _pair(ring_bytes=1 << 16)
+    try:
+        for i in range(100):  # both rings go round (their pages are touched)
+            ta.send(1, [b"a" * 1000], i)
+            tb.send(0, [b"b" * 1000], i)
+            ta.poll(0)
+            tb.poll(0)
+        mine = tb.host.rings[0]
+        assert mine.words[ring.TAIL] > 1 << 16
+        assert os.fstat(tb.host.fd).st_blocks * 512 > 1 << 16  # its pages, in tb's memfd
+        ta.close()
+        for _ in range(20):
+            if got_b and got_b[-1][0] == "lost":
+                break
+            tb.poll(0.05)
+        assert got_b[-1] == ("lost", 0, "connection closed")
+        tb.poll(0)
+        # only tb's first page is left (BELL and NAP)
+        assert _ring_maps() - before == 1
+        assert tb.host.rings == [] and tb.mapped == []
+        assert os.fstat(tb.host.fd).st_blocks * 512 <= ring.PAGE
+    finally:
+        ta.close()
+        tb.close()
+    assert _ring_maps() == before

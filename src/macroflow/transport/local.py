@@ -31,15 +31,17 @@ Rings (``rings=True``, as the launcher makes contexts unless MACROFLOW_RINGS=0):
 each side of a connection offers the peer a shared-memory ring to write to it
 (:mod:`macroflow.transport.ring`: every ring a process reads is in one memfd).
 The peer maps it, sends SWITCH on the socket and from then on writes every
-frame of up to ``RING_FRAME_MAX`` bytes there: a copy and three stores, no
-system call, and the reader finds it at its next poll by a single load (the
-host's BELL). A larger frame still travels on the socket, behind a MARK in the
+frame of up to ``RING_FRAME_MAX`` bytes (half the ring, if less) there: a copy
+and three stores, no system call, and the reader finds it at its next poll by
+a single load (the host's BELL). A larger frame still travels on the socket, behind a MARK in the
 ring; the reader holds socket frames until it reaches their MARKs, so the
 order per direction is the order sent. A reader about to sleep flags NAP, and
 a writer that sees the flag pokes the socket with a frame of no buffers, which
 wakes the reader's epoll. A writer whose ring is full waits as it does for a
 full socket, reading meanwhile. The socket also tells that the peer ended:
-what its ring still holds is delivered before the peer is reported lost.
+what its ring still holds is delivered before the peer is reported lost, and
+at the next poll the rings of that connection are unmapped, the pages of ours
+given back.
 """
 
 from __future__ import annotations
@@ -388,7 +390,7 @@ def _set_async(fd: int, on: bool) -> None:
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
                  "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf",
-                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke")
+                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke", "rmax")
 
     def __init__(self, peer: int, sock: socket.socket):
         self.peer = peer
@@ -417,6 +419,7 @@ class _Conn:
         self.held: deque = deque()  # socket frames waiting for their MARK in rin
         self.reading = False  # in _ring_read
         self.poke = False  # frames queued in rout: see if the reader naps at flush()
+        self.rmax = 0  # the largest frame that goes in rout (see _switch)
 
 
 class LocalTransport(Transport):
@@ -457,6 +460,7 @@ class LocalTransport(Transport):
         self.host: Optional[_ring.RingHost] = None  # where those rings are (made at the first)
         self.bell_seen = 0  # the host's BELL when we last looked at the rings
         self.mapped: List[_ring.Ring] = []  # peers' rings we write to, unmapped at close()
+        self.dead: List[_ring.Ring] = []  # rings of closed connections: see _close
         self.ring_polls = 0
         self.spin_s = spin_us / 1e6
         self.conns: Dict[int, _Conn] = {}  # peer -> the connection frames to it go on
@@ -855,6 +859,9 @@ class LocalTransport(Transport):
         if not self._send_whole(c, _HDR1.pack(1, 0, len(body)) + body):
             raise ConnectionError(f"context {c.peer}: send failed")
         r, c.rout_next = c.rout_next, None
+        # an entry of up to half the ring fits once the reader has caught up,
+        # wherever the ring's end falls; a larger one might never fit
+        c.rmax = min(RING_FRAME_MAX, (r.cap >> 1) - 16)  # type: ignore[union-attr]
         c.rout = r
         return r  # type: ignore[return-value]
 
@@ -864,14 +871,14 @@ class LocalTransport(Transport):
             d = parts[0]
             if type(d) is bytes or type(d) is bytearray:
                 n = len(d)
-                if n <= RING_FRAME_MAX:
+                if n <= c.rmax:
                     if not r.put(d, load):
                         self._wait_room(c, r, d, load, 0)
                     if now:
                         self._wake(c, r)
                     return 16 + n
         frame = _small_frame(parts, load)
-        if frame is not None and len(frame) <= RING_FRAME_MAX:
+        if frame is not None and len(frame) <= c.rmax:
             if not r.put(frame, 0, _ring.MANY):
                 self._wait_room(c, r, frame, 0, _ring.MANY)
             if now:
@@ -924,10 +931,13 @@ class LocalTransport(Transport):
                 got = self._ring_read(c) or got
         return got
 
-    def _ring_read(self, c: _Conn, final: bool = False) -> bool:
+    def _ring_read(self, c: _Conn, final: bool = False, parsing: bool = False) -> bool:
         """Deliver what ``c``'s ring holds, and the socket frames its MARKs
         stand for (read from the socket if they have not been); stops at a
-        MARK whose frame has not come yet."""
+        MARK whose frame has not come yet. ``parsing``: called from the parse
+        of ``c``'s socket, which is not to be entered again (a read in its
+        middle may start a large buffer that parse knows nothing of); it
+        goes on, and brings the frame when it comes."""
         r = c.rin
         if r is None or c.reading:
             return False
@@ -955,7 +965,7 @@ class LocalTransport(Transport):
                         r.pos = head
                         continue
                     elif n == _ring.MARK:
-                        if not c.held and not final and not c.closed:
+                        if not c.held and not final and not c.closed and not parsing:
                             self._read(c)  # its bytes were sent before we looked
                         if not c.held:
                             words[_ring.HEAD] = head
@@ -1017,7 +1027,7 @@ class LocalTransport(Transport):
             if bufs:  # (no buffers: a poke, to wake us; poll then looks at the rings)
                 c.held.append((bufs, load))
                 if not c.reading:
-                    self._ring_read(c)
+                    self._ring_read(c, parsing=True)
             return
         if not bufs:
             return
@@ -1030,7 +1040,13 @@ class LocalTransport(Transport):
     # -- receiving -------------------------------------------------------
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
+        if self.dead:
+            self._bury()
         if self.rins:
+            if self.signalling and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
+                # a writer that poked us cleared NAP: flag it again before
+                # this look, or the next frame would raise no signal
+                self.nap(True)
             got = self._rings()
             if got:
                 # the sockets too, now and then: a peer lost, a connection made
@@ -1057,6 +1073,20 @@ class LocalTransport(Transport):
         if self.rins:
             got = self._rings() or got  # (what woke us may be a poke)
         return got
+
+    def _bury(self) -> None:
+        """Unmap the rings of closed connections (poll calls it first thing:
+        no transport code is running further up the stack then), and give
+        the pages of ours back: a context that talks with contexts added and
+        removed while it runs would keep a ring for each otherwise."""
+        dead, self.dead = self.dead, []
+        for r in dead:
+            if r.host is self.host:
+                self.host.drop(r)  # type: ignore[union-attr]
+            else:
+                r.close()
+                if r in self.mapped:
+                    self.mapped.remove(r)
 
     def _spin(self) -> Optional[list]:
         # Poll for spin_s before sleeping: waking a sleeping process costs more
@@ -1308,8 +1338,15 @@ class LocalTransport(Transport):
         c.outq.clear()
         if c in self.rins:
             self.rins.remove(c)
-        # dropped, not unmapped (close() does): a read or a send in progress
-        # further up the stack may still use them
+            # _rings may be going through the list (this close came from a
+            # MARK's read): the ring after this one is skipped, so look again
+            self.bell_seen = -1
+        # unmapped (and our own rings' pages given back) at the next poll,
+        # not now: a read or a send in progress further up the stack may
+        # still use them
+        for r in (c.rin, c.offered, c.rout, c.rout_next):
+            if r is not None:
+                self.dead.append(r)
         c.rin = c.offered = c.rout = c.rout_next = None
         try:
             self.ep.unregister(c.fd)
@@ -1361,6 +1398,7 @@ class LocalTransport(Transport):
                 pass
             c.rin = c.offered = c.rout = c.rout_next = None
         self.rins = []
+        self.dead = []  # (every one is in mapped or in the host)
         for r in self.mapped:
             r.close()
         self.mapped = []

@@ -73,6 +73,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -166,6 +168,8 @@ class RingHost:
         >>> r = h.ring(4096)
         >>> r.offset == PAGE, h.words[BELL], h.words[NAP]
         (True, 0, 0)
+        >>> h.drop(r); h.rings
+        []
         >>> h.close()
     """
 
@@ -190,6 +194,17 @@ class RingHost:
         self.size += region
         self.rings.append(r)
         return r
+
+    def drop(self, r: "Ring") -> None:
+        """Give the pages of ``r``, a ring of this host whose writer has gone,
+        back to the system, and unmap it (it may not be used after). Its
+        place in the file is not used again: a writer that still held it
+        could only write where nobody reads."""
+        if r.words is not None:
+            _libc.madvise(r.map.addr, r.map.size, mmap.MADV_REMOVE)
+        r.close()
+        if r in self.rings:
+            self.rings.remove(r)
 
     def close(self) -> None:
         """Close the descriptor and unmap every ring (none may be used after)."""
