@@ -59,11 +59,13 @@ import ctypes
 import errno
 import os
 import platform
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+from ..transport.ring import TSO_MACHINES
+from ..transport.ring import fence as _fence  # a locked instruction on x86 (see the notes)
 
 __all__ = ["ShmBarrier", "LAYOUTS", "problem"]
 
@@ -74,7 +76,6 @@ READY_TIMEOUT = 10.0
 
 _SEM_BYTES = 32  # sizeof(sem_t) on 64-bit glibc and musl (16 on 32-bit glibc)
 _READY = 0x7475_6C69_7021  # rank 0 initialised the semaphore of a central barrier
-_TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 for _name in ("sem_init", "sem_wait", "sem_post"):
@@ -82,24 +83,6 @@ for _name in ("sem_init", "sem_wait", "sem_post"):
 _libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 _libc.sem_wait.argtypes = [ctypes.c_void_p]
 _libc.sem_post.argtypes = [ctypes.c_void_p]
-
-# taken and released to fence: a locked instruction on x86 (see the module's notes)
-_fence_lock = threading.Lock()
-
-
-def _after_fork_child() -> None:
-    global _fence_lock
-    _fence_lock = threading.Lock()  # another thread may have held it at the fork
-
-
-os.register_at_fork(after_in_child=_after_fork_child)
-
-
-def _fence() -> None:
-    lock = _fence_lock
-    lock.acquire()
-    lock.release()
-
 
 def problem(machine: Optional[str] = None) -> Optional[str]:
     """Why :class:`ShmBarrier` cannot be used on this CPU, or None when it can.
@@ -114,7 +97,7 @@ def problem(machine: Optional[str] = None) -> Optional[str]:
         'ShmBarrier needs a CPU with total store order (x86, x86-64); this one is aarch64...'
     """
     machine = platform.machine() if machine is None else machine
-    if machine.lower() in _TSO_MACHINES:
+    if machine.lower() in TSO_MACHINES:
         return None
     return (f"ShmBarrier needs a CPU with total store order (x86, x86-64); this one is "
             f"{machine}, whose loads and stores numpy cannot order without fences; use the "

@@ -65,7 +65,9 @@ PAGE = mmap.PAGESIZE
 IDENT_SHIFT = 44  # a writer's BELL values: (its id + 1) << IDENT_SHIFT, plus its TAIL
 ENTRY = struct.Struct("<iI")  # length or kind, load (MANY: length)
 WRAP, MARK, MANY = -1, -2, -3
-_TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
+#: CPUs with total store order, where rings (and ShmBarrier) need no fence but at the
+#: sleep hand-shake
+TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -154,7 +156,7 @@ def problem(machine: Optional[str] = None) -> Optional[str]:
         'shared memory needs a CPU with total store order (x86, x86-64); this one is aarch64...'
     """
     machine = platform.machine() if machine is None else machine
-    if machine.lower() in _TSO_MACHINES:
+    if machine.lower() in TSO_MACHINES:
         return None
     return (f"shared memory needs a CPU with total store order (x86, x86-64); this one is "
             f"{machine}, whose loads and stores Python cannot order without fences")
