@@ -1,6 +1,7 @@
 """Marshalling: pickle 5 with out-of-band buffers, by-value for what can't be imported."""
 
 import pickle
+from fractions import Fraction
 
 import numpy as np
 
@@ -285,6 +286,35 @@ def test_request_arguments_with_an_array_first_skip_the_pickle():
                 assert x == y
     data, bufs = marshal.dumps_args((big, big2))
     assert [b.raw().nbytes for b in bufs] == [big.nbytes, big2.nbytes]
+
+
+def test_request_arguments_of_many_shapes_come_back_right_past_the_kept_descriptions():
+    # descriptions are kept per (dtype, shape) at both ends, a bounded number:
+    # more shapes than that, alternating and coming again, each come back as sent
+    rng = np.random.default_rng(5)
+    shapes = [(), (0,), (1,), (3, 0), (2, 3), (4, 1, 2)] + [(n,) for n in range(2, 300)]
+    dtypes = [np.float64, np.int32, np.dtype(">i2"), np.complex64, np.uint8]
+    for rep in range(2):
+        for k, shape in enumerate(shapes):
+            dt = dtypes[k % len(dtypes)]
+            a = np.asarray(rng.standard_normal(shape) * 100).astype(dt)
+            b = np.arange(k % 7 + 1, dtype=np.float64)
+            data, bufs = marshal.dumps_args((a, b, k))
+            x, y, kk = marshal.loads_args(data, [bytearray(v.raw()) for v in bufs])
+            assert x.dtype == a.dtype and x.shape == a.shape and np.array_equal(x, a), shape
+            assert np.array_equal(y, b) and kk == k and x.flags.writeable
+    assert len(marshal._described) <= marshal._DESCRIBED_MAX
+    assert len(marshal._undescribed) <= marshal._DESCRIBED_MAX
+
+
+def test_request_arguments_after_the_arrays_pickle_plain_values_and_anything_else():
+    arr = np.arange(3.0)
+    for rest in [("x", 3, 2.5, None, True, b"raw"), ([1, {"k": (2,)}], "y"), (Fraction(1, 3),)]:
+        for args in [(arr, *rest), rest]:
+            back = marshal.loads_args(*marshal.dumps_args(args))
+            assert back[len(args) - len(rest):] == rest
+            if args[0] is arr:
+                assert np.array_equal(back[0], arr)
 
 
 def test_request_arguments_with_pointers_first_skip_the_pickle():

@@ -313,30 +313,20 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
     for a in args:
         t = type(a)
         if t is np.ndarray:
-            if not (a.flags.c_contiguous and a.flags.writeable):
+            key = (a.dtype, a.shape)
+            d = _described.get(key)
+            if d is None:
+                d = _describe(a)
+                if d is None:
+                    break
+            flags = a.flags
+            if not (flags.c_contiguous and flags.writeable):
                 break
-            dt = a.dtype
-            try:
-                name = _plain_dtypes[dt]
-            except KeyError:
-                name = _plain(dt)
-            if name is None:
-                break
-            head = _heads.get(name)
-            if head is None:
-                raw_name = name.encode()
-                head = _heads[name] = bytes((_ARRAY, len(raw_name))) + raw_name
-            shape = a.shape
-            pb = pickle.PickleBuffer(a)
-            raw = pb.raw()
-            n = raw.nbytes
-            parts.append(head)
-            if n < OOB_THRESHOLD:
-                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, n))
-                parts.append(raw)
+            parts.append(d[0])
+            if d[1]:
+                parts.append(a.tobytes())
             else:
-                parts.append(_shape_struct(len(shape)).pack(len(shape), *shape, _OUT_OF_BAND))
-                oob.append(pb)
+                oob.append(pickle.PickleBuffer(a))
         elif t is GlobalPointer:
             blob = a._blob or _reduce_pointer(a)[1][0]
             parts.append(_PLEN.pack(_POINTER | len(blob) << 8) if len(blob) < 256
@@ -346,14 +336,57 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
             break
         i += 1
     if not i:
-        data, bufs = _encoder.dumps(args)
+        data, bufs = _dump_rest(args)
         return b"\x00" + data, bufs
     parts.append(b"\x00")
     if i < len(args):
-        data, bufs = _encoder.dumps(args[i:])
+        data, bufs = _dump_rest(args[i:])
         parts.append(data)
         oob.extend(bufs)
     return b"\x01" + b"".join(parts), oob
+
+
+# (dtype, shape) -> (an array's description up to its bytes, whether they
+# travel in the message): the same arrays go again and again
+_described: dict = {}
+# the same descriptions, as received -> (dtype, shape or None for 1-D, inline length)
+_undescribed: dict = {}
+_DESCRIBED_MAX = 256
+_ATOMIC = frozenset((int, float, bool, str, bytes, type(None)))
+
+
+def _describe(a: np.ndarray) -> Optional[Tuple[bytes, bool]]:
+    """The description :func:`dumps_args` sends before ``a``'s bytes (kept
+    for arrays of the same dtype and shape), or None if its dtype is not
+    one that travels described."""
+    dt = a.dtype
+    try:
+        name = _plain_dtypes[dt]
+    except KeyError:
+        name = _plain(dt)
+    if name is None:
+        return None
+    head = _heads.get(name)
+    if head is None:
+        raw_name = name.encode()
+        head = _heads[name] = bytes((_ARRAY, len(raw_name))) + raw_name
+    shape = a.shape
+    n = a.nbytes
+    inline = n < OOB_THRESHOLD
+    d = (head + _shape_struct(len(shape)).pack(len(shape), *shape, n if inline else _OUT_OF_BAND),
+         inline)
+    if len(_described) >= _DESCRIBED_MAX:
+        _described.clear()
+    _described[(dt, shape)] = d
+    return d
+
+
+def _dump_rest(args: tuple) -> Tuple[bytes, List[Any]]:
+    # plain values only (the commonest rest: a count, a name): the C pickler
+    for a in args:
+        if type(a) not in _ATOMIC:
+            return _encoder.dumps(args)
+    return pickle.dumps(args, 5), []
 
 
 def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
@@ -376,21 +409,21 @@ def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
         kind = mv[pos]
         if kind == _ARRAY:
             end = pos + 2 + mv[pos + 1]
-            name = bytes(mv[pos + 2:end])
-            dt = _dtypes.get(name)
-            if dt is None:
-                dt = _dtypes[name] = np.dtype(name.decode())
-            st = _shape_struct(mv[end])
-            fields = st.unpack_from(mv, end)
-            pos = end + st.size
-            size = fields[-1]
+            stop = end + 9 + 8 * mv[end]  # the shape: its rank, dims, then the length
+            desc = mv[pos:stop].tobytes()
+            known = _undescribed.get(desc)
+            if known is None:
+                known = _undescribe(desc, end - pos)
+            dt, shape, size = known
+            pos = stop
             if size == _OUT_OF_BAND:
                 buf = buffers[nbuf]
                 nbuf += 1
             else:
                 buf = bytearray(mv[pos:pos + size])
                 pos += size
-            out.append(np.frombuffer(buf, dt).reshape(fields[1:-1]))
+            arr = np.frombuffer(buf, dt)
+            out.append(arr if shape is None else arr.reshape(shape))
         elif kind == _POINTER:
             size = mv[pos + 1]
             pos += 2
@@ -405,6 +438,23 @@ def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
     if pos < len(mv):
         out.extend(pickle.loads(mv[pos:], buffers=buffers[nbuf:]))
     return tuple(out)
+
+
+def _undescribe(desc: bytes, end: int) -> Tuple[np.dtype, Optional[tuple], int]:
+    """What an array's description (as :func:`_describe` made it) says:
+    dtype, shape (None when one-dimensional: ``frombuffer`` gives that
+    already) and inline length; kept for the next array like it."""
+    name = desc[2:end]
+    dt = _dtypes.get(name)
+    if dt is None:
+        dt = _dtypes[name] = np.dtype(name.decode())
+    fields = _shape_struct(desc[end]).unpack_from(desc, end)
+    shape = fields[1:-1]
+    known = (dt, None if len(shape) == 1 else shape, fields[-1])
+    if len(_undescribed) >= _DESCRIBED_MAX:
+        _undescribed.clear()
+    _undescribed[desc] = known
+    return known
 
 
 class StandIn:
