@@ -94,6 +94,58 @@ def test_small_frames_take_the_ring_and_make_no_socket_write(monkeypatch):
         tb.close()
 
 
+def test_frames_of_buffers_up_to_the_ring_limit_take_the_ring_and_one_over_takes_the_socket(
+        monkeypatch):
+    ta, tb, _, got_b = _pair()
+    try:
+        socket_frames = []
+        sock_send = ta._sock_send
+        monkeypatch.setattr(ta, "_sock_send", lambda c, dest, parts, load: socket_frames.append(
+            len(parts)) or sock_send(c, dest, parts, load))
+        pokes = _count_socket_writes(monkeypatch, ta)
+        sizes = [70_000, 100_000, local.RING_FRAME_MAX - 200, 10, 65_536]
+        sent = []
+        for i, n in enumerate(sizes):
+            parts = [b"head%d" % i, bytearray(os.urandom(n)), memoryview(os.urandom(i + 1))]
+            ta.send(1, parts, i)
+            sent.append([bytes(p) for p in parts])
+        while len(got_b) < len(sent):
+            tb.poll(1.0)
+        assert socket_frames == [] and pokes == []
+        assert [g[1] for g in got_b] == sent
+        over = [b"over", os.urandom(local.RING_FRAME_MAX)]
+        ta.send(1, over, 9)
+        while len(got_b) < len(sent) + 1:
+            tb.poll(1.0)
+        assert socket_frames == [2] and got_b[-1][1] == over
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_frames_of_many_buffers_wrap_a_small_ring_in_order():
+    # copied in buffer by buffer: an entry that would cross the ring's end
+    # starts again at its beginning, whatever its buffers' sizes
+    ta, tb, _, got_b = _pair(ring_bytes=1 << 14)
+    try:
+        rng = __import__("random").Random(3)
+        sent = [[b"h%d" % i] + [os.urandom(rng.randrange(0, 2000))
+                                for _ in range(rng.randrange(1, 5))] for i in range(300)]
+        reader = threading.Thread(target=lambda: [tb.poll(0.1) for _ in iter(
+            lambda: len(got_b) < len(sent), False)])
+        reader.start()  # the writer waits for room, the reader frees it
+        for i, parts in enumerate(sent):
+            ta.send(1, parts, i)
+        reader.join(30)
+        assert not reader.is_alive()
+        assert [g[1] for g in got_b] == sent
+        assert [g[2] for g in got_b] == list(range(300))
+        assert ta.conns[1].rout.pos > 10 * (1 << 14)  # it went round many times
+    finally:
+        ta.close()
+        tb.close()
+
+
 def test_large_and_many_buffer_frames_keep_their_place_among_ring_frames():
     ta, tb, _, got_b = _pair(ring_bytes=1 << 16)
     try:

@@ -56,7 +56,7 @@ import os
 import platform
 import struct
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 BELL, NAP = 0, 16  # word indexes in a host's first page: 128 bytes apart
 HEAD, TAIL = 0, 16  # word indexes at a ring's start
@@ -311,6 +311,53 @@ class Ring:
         body of a MANY frame, or a MARK (``data`` empty); then ring the
         reader's BELL. False if it does not fit now (nothing is written)."""
         n = len(data)
+        tail = self.pos
+        off = tail & self.mask
+        if 16 + n <= self.cap - off and tail + 16 + n - self.seen <= self.cap:
+            base = DATA + off  # the common case, inline: room, and not at the end
+        else:
+            base = self._claim(n)
+            if base < 0:
+                return False
+        if n:
+            self.mv[base + 8:base + 8 + n] = data
+        if kind:
+            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY else load)
+        else:
+            ENTRY.pack_into(self.mm, base, n, load)
+        self._publish(n)
+        return True
+
+    def put_parts(self, parts: Sequence[Any], n: int) -> bool:
+        """Write one MANY entry whose body is ``parts`` (byte buffers of
+        ``n`` bytes in all) one after the other, copied straight in: a
+        large frame is not joined first. False if it does not fit now.
+
+        Example:
+            >>> r = Ring.create(256)
+            >>> w = Ring.open(os.getpid(), r.host.fd, r.offset, 256, ident=1)
+            >>> w.put_parts([b"ab", memoryview(b"cde")], 5)
+            True
+            >>> bytes(r.mv[DATA + 8:DATA + 13]), ENTRY.unpack_from(r.mm, DATA)[0] == MANY
+            (b'abcde', True)
+            >>> r.close(); w.close()
+        """
+        base = self._claim(n)
+        if base < 0:
+            return False
+        mv = self.mv
+        pos = base + 8
+        for p in parts:
+            k = len(p)
+            mv[pos:pos + k] = p
+            pos += k
+        ENTRY.pack_into(self.mm, base, MANY, n)
+        self._publish(n)
+        return True
+
+    def _claim(self, n: int) -> int:
+        """Where an entry of ``n`` bytes goes (its offset in the mapping),
+        after a WRAP if the ring's end is too near; -1 if it does not fit now."""
         need = 8 + ((n + 7) & -8)
         tail = self.pos
         off = tail & self.mask
@@ -319,25 +366,21 @@ class Ring:
             if tail + end + need - self.seen > self.cap:
                 self.seen = self.words[HEAD]
                 if tail + end + need - self.seen > self.cap:
-                    return False
+                    return -1
             ENTRY.pack_into(self.mm, DATA + off, WRAP, 0)
-            tail += end
-            off = 0
-        elif tail + need - self.seen > self.cap:
+            self.pos = tail + end
+            return DATA
+        if tail + need - self.seen > self.cap:
             self.seen = self.words[HEAD]
             if tail + need - self.seen > self.cap:
-                return False
-        base = DATA + off
-        if n:
-            self.mv[base + 8:base + 8 + n] = data
-        if kind:
-            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY else load)
-        else:
-            ENTRY.pack_into(self.mm, base, n, load)
-        self.pos = tail = tail + need
+                return -1
+        return DATA + off
+
+    def _publish(self, n: int) -> None:
+        # the entry is written: move TAIL past it, then ring the reader's BELL
+        self.pos = tail = self.pos + 8 + ((n + 7) & -8)
         self.words[TAIL] = tail
         self.bell[BELL] = self.ident + tail
-        return True
 
     def take(self) -> List[Tuple[bytes, int]]:
         """Every one-buffer frame written so far, as (bytes, load); for tests
