@@ -122,6 +122,7 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
+_RING_LOOK = 16  # while rings deliver, look at MPI every this many passes
 POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
 _STATE_BYTES = 24
 _REC = struct.Struct("<II")
@@ -551,6 +552,7 @@ class MpiTransport(Transport):
         self.ring_sent = 0  # frames written to rings
         self.ring_got = 0  # frames read from rings
         self.ring_waits = 0  # sends that found a ring full
+        self.ring_passes = 0  # passes of _progress that rings delivered in
         self.signalling = False
         if members is None:
             members = list(range(comm.Get_size()))
@@ -1241,6 +1243,14 @@ class MpiTransport(Transport):
         self._moved = False
         if self.rins:
             got = self._rings()
+            if got:
+                # MPI too, now and then (a goodbye, a credit, a large
+                # buffer): while rings deliver, a probe would double a pass
+                self.ring_passes += 1
+                if self.ring_passes % _RING_LOOK:
+                    self.active_at = time.monotonic()
+                    self.expect = False
+                    return True
         if self.inflight:
             got = self._advance() or got
         if self.pushing or len(self.unfinished) > 16:
