@@ -345,3 +345,35 @@ def test_mpiexec_ranks_of_one_host_use_rings_unless_turned_off(tmp_path, setting
     else:
         assert counts == [(0, 0), (0, 0)] and mine == (0, 0)
     assert set(glob.glob("/dev/shm/macroflow-mpi-*")) <= before  # nothing left behind
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_while_rings_carry_its_frames_ends_the_job(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 3, """
+        import os, signal
+        import macroflow as mf
+        from macroflow.core.context import current_engine
+
+        @mf.persistent
+        class Victim:
+            def echo(self, x):
+                return x
+
+            def die(self):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def main():
+            v = Victim.create(on=2)
+            for i in range(200):
+                assert v.echo(i).result() == i
+            print("rings", current_engine().transport.ring_got, flush=True)
+            v.die().result(60)
+
+        mf.run(main)
+        print("never")
+    """)
+    assert code != 0
+    assert "never" not in out
+    got = int([l for l in out.splitlines() if l.startswith("rings")][0].split()[1])
+    assert got >= 200  # the replies came through the ring
+    assert "BAD TERMINATION" in out  # MPI's process manager ended the job
