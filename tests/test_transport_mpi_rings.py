@@ -377,3 +377,13 @@ def test_a_rank_killed_while_rings_carry_its_frames_ends_the_job(tmp_path):
     got = int([l for l in out.splitlines() if l.startswith("rings")][0].split()[1])
     assert got >= 200  # the replies came through the ring
     assert "BAD TERMINATION" in out  # MPI's process manager ended the job
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_rings_setting_under_mpiexec_is_a_clear_error_printed_once(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, """
+        import macroflow as mf
+        print(mf.run(lambda: 1))
+    """, env={"MACROFLOW_RINGS": "yes"})
+    assert code != 0
+    assert err.count("ValueError: the MACROFLOW_RINGS environment variable must be 0") == 1, err

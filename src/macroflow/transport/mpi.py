@@ -1976,7 +1976,9 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         global _world_done
         from ..core import marshal
         from ..core.context import Engine
+        from ..launch import rings_setting
         s = self.session
+        rings = rings_setting()  # (a bad setting is an error before any rank waits for us)
         MPI = mpi()
         self.placement, self.spin_us = placement, spin_us
         world = world_from_environment()
@@ -2025,8 +2027,6 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             # a window only under mpiexec: spawned ranks disconnect as they
             # end, and a window that cannot be freed would bind them
             window = not self.spawned and os.environ.get("MACROFLOW_MPI_WINDOW", "1") != "0"
-            from ..launch import rings_setting
-            rings = rings_setting()
             _handshake(comm, {"computation": s.computation, "placement": placement,
                              "spin_us": spin_us, "hosts": names, "window": window,
                              "rings": rings})
