@@ -360,9 +360,9 @@ def _mpi_wait(comm, source: int, tag: int) -> Any:
 class _MpiGroup:
     """The spawned ranks of one build_mpi, and the communicator to drive them."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, entry: str = "transport_harness:_mpi_end"):
         from macroflow.transport import mpi as M
-        self.inter, self.comm, self.hosts = M.spawn(n, "transport_harness:_mpi_end")
+        self.inter, self.comm, self.hosts = M.spawn(n, entry)
         self.comm.Split(M.mpi().UNDEFINED, 0)  # the ends' own communicator, without us
         self.open = n
         self.lock = threading.Lock()
@@ -424,6 +424,11 @@ class MpiEnd:
     def peers(self):
         return self._call("peers")
 
+    def ring_counts(self) -> Tuple[int, int, int]:
+        """(frames the end wrote to rings, frames it read from rings, times a
+        send found a ring full)."""
+        return tuple(self._call("counts"))
+
     def fileno(self) -> None:
         return None  # the end's descriptor is in another process: nothing to watch here
 
@@ -439,7 +444,12 @@ class MpiEnd:
             self.group.ended()
 
 
-def _mpi_end(comm) -> None:  # pragma: no cover - runs in a spawned rank
+def _mpi_end_rings(comm) -> None:  # pragma: no cover - runs in a spawned rank
+    """One end of build_mpi_rings: frames between the ends through shared-memory rings."""
+    _mpi_end(comm, rings=True)
+
+
+def _mpi_end(comm, rings: bool = False) -> None:  # pragma: no cover - runs in a spawned rank
     """One end of build_mpi: serve the proxy's calls on a real MpiTransport."""
     from macroflow.transport import mpi as M
     import faulthandler
@@ -450,7 +460,8 @@ def _mpi_end(comm) -> None:  # pragma: no cover - runs in a spawned rank
     ends = comm.Split(0, rank)
     host = socket.gethostname()
     t = M.MpiTransport(ends, spin_us=50.0, wake=(f"harness-{os.getppid()}-{comm.Get_size()}",
-                                                 {i: host for i in range(ends.Get_size())}))
+                                                 {i: host for i in range(ends.Get_size())}),
+                       rings=rings)
     events: List[tuple] = []
     t.attach(lambda src, bufs, load: events.append(
         ("frame", src, [bytes(memoryview(b).cast("B")) for b in bufs], load)),
@@ -474,6 +485,8 @@ def _mpi_end(comm) -> None:  # pragma: no cover - runs in a spawned rank
             elif op == "close":
                 t.goodbye()
                 value = None
+            elif op == "counts":  # frames through rings: sent, received; waits for room
+                value = (t.ring_sent, t.ring_got, t.ring_waits)
             else:
                 value = getattr(t, op)(*args)
             status = "ok"
@@ -494,6 +507,22 @@ def _mpi_end(comm) -> None:  # pragma: no cover - runs in a spawned rank
 
 def _mpi_backlog(end: MpiEnd, dest: int) -> bool:
     return end.backlogged(dest)
+
+
+def build_mpi_rings(n: int) -> Ends:
+    """As :func:`build_mpi`, the ends (one host) sending frames of up to
+    64 KiB through shared-memory rings.
+
+    Example:
+        >>> from macroflow.transport.mpi import available
+        >>> e = build_mpi_rings(2) if available() is None else None
+        >>> e.ids if e is not None else [0, 1]
+        [0, 1]
+        >>> e is None or e.close()
+    """
+    group = _MpiGroup(n, "transport_harness:_mpi_end_rings")
+    return Ends("mpi-rings", {i: MpiEnd(group, i) for i in range(n)}, reports_lost=True,
+                has_fileno=False, backlog=_mpi_backlog)
 
 
 def build_mpi(n: int) -> Ends:
@@ -526,6 +555,9 @@ try:
     from macroflow.transport.mpi import available as _mpi_available
     if _mpi_available() is None:
         BUILDERS["mpi"] = build_mpi
+        from macroflow.transport.ring import problem as _ring_problem
+        if _ring_problem() is None:
+            BUILDERS["mpi-rings"] = build_mpi_rings
 except ImportError:
     pass
 

@@ -53,6 +53,26 @@ when every peer can wake it, 1/NAP_MAX when not; what that costs is in
 docs/guide.md (section MPI). :meth:`MpiTransport.fileno` is the socket when
 every peer can wake the rank, else None.
 
+Rings (``rings=True``, as the launcher makes ranks unless MACROFLOW_RINGS=0;
+never on a CPU without total store order, see :func:`ring.problem`): each
+rank offers every peer of its host (those that can wake it) a shared-memory
+ring in its :class:`~macroflow.transport.ring.RingHost`, by a control record
+on MPI (its pid, the memfd's descriptor, where the ring is, and a number
+written in the ring that the peer checks once it has mapped it through
+``/proc/<pid>/fd``). The peer sends SWITCH on MPI, after every frame it sent
+there, and from then on writes each frame of up to :data:`RING_FRAME_MAX`
+bytes (half the ring, if less) to the ring: a copy and three stores, no MPI
+call. A larger frame still goes by MPI, behind a MARK in the ring; the
+reader holds the frames that come by MPI from a peer that switched until it
+reaches their MARKs, so the order per pair is the order sent. A reader that
+is about to sleep flags NAP (then looks at the rings once more), and a
+writer that sees the flag clears it and wakes the reader (see
+:class:`Waker`). A writer whose ring is full takes what comes for it while
+it waits, as for MPI's window. A peer's goodbye comes by MPI after what its
+ring holds, which is delivered first; its rings are unmapped at the next
+poll. Everything is in memfds: nothing is left in ``/dev/shm``, whatever
+ends a rank.
+
 Lost peers. A rank that leaves in order (its computation ended, or its
 engine failed) says goodbye, and its peers report it lost. MPI cannot report
 a rank that dies (a signal, ``os._exit``): its process manager ends the whole
@@ -77,6 +97,7 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from . import ring as _ring
 from .base import Transport
 
 FRAME, DATA, HELLO, SETUP = 1, 2, 3, 4  # message tags
@@ -101,13 +122,21 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
+_RING_LOOK = 16  # while rings deliver, look at MPI every this many passes
 POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
 _STATE_BYTES = 24
 _REC = struct.Struct("<II")
 _LEN1 = struct.Struct("<IIQ")  # the record of a one-buffer frame
 _CREDIT = struct.Struct("<QQ")
 CONTROL = 0xFFFFFFFF
-CREDIT, BYE, ACK, GROW = 1, 2, 3, 4
+CREDIT, BYE, ACK, GROW, OFFER, SWITCH = 1, 2, 3, 4, 5, 6
+RING_BYTES = 1 << 20  # a shared-memory ring, one direction between two ranks of one host
+RING_FRAME_MAX = 64 * 1024  # larger frames travel by MPI (a MARK in the ring)
+# an OFFER: the reader's pid, its RingHost's fd, the ring's offset, bytes, and a
+# number it wrote in the ring (word _NONCE), which tells the writer it mapped
+# that very ring (a pid means another process in another pid namespace)
+_OFFER = struct.Struct("<iiqiq")
+_NONCE = 8  # a word of the ring's first line that the ring itself leaves unused
 
 #: Environment variables that MPI launchers set in every rank: (rank, size).
 LAUNCHER_VARIABLES = (("PMI_RANK", "PMI_SIZE"),  # MPICH, Intel MPI, MVAPICH (hydra), srun --mpi=pmi2
@@ -433,7 +462,8 @@ class MpiTransport(Transport):
 
     def __init__(self, comm: Any, spin_us: float = 0.0, release: Sequence[Any] = (),
                  wake: Optional[Tuple[str, Mapping[int, str]]] = None,
-                 members: Optional[Sequence[int]] = None, window: bool = False):
+                 members: Optional[Sequence[int]] = None, window: bool = False,
+                 rings: bool = False, ring_bytes: int = RING_BYTES):
         super().__init__()
         MPI = mpi()
         self.MPI = MPI
@@ -498,6 +528,32 @@ class MpiTransport(Transport):
         self.states: Dict[int, Any] = {}  # the shared pages of the peers that can wake us
         self.wakeups = 0  # wake-ups sent
         self.abandoned: List[Tuple[Any, Any]] = []  # requests MPI would not cancel, and their buffers
+        # shared-memory rings with the ranks of this host (see the module's
+        # notes), where this CPU orders stores; per peer: the ring we offered
+        # it, the one it writes to us (after its SWITCH), the one it offered
+        # us (mapped, written from our next send), the one we write to
+        self.rings = bool(rings) and _ring.problem() is None and hasattr(os, "memfd_create")
+        self.ring_bytes = ring_bytes
+        self.rmax = min(RING_FRAME_MAX, (ring_bytes >> 1) - 16)  # see _switch
+        self.host: Optional[_ring.RingHost] = None  # the rings we read (made at the first offer)
+        self.bell_seen = 0  # the host's BELL when we last looked at the rings
+        self.offers: Dict[int, _ring.Ring] = {}
+        self.rin: Dict[int, _ring.Ring] = {}
+        self.rins: List[Tuple[int, _ring.Ring]] = []  # rin's items, replaced whole on change
+        self.rout_next: Dict[int, _ring.Ring] = {}
+        self.rout: Dict[int, _ring.Ring] = {}
+        self.offered: Set[int] = set()  # the peers we offered a ring to (once)
+        self.held: Dict[int, Deque[_Frame]] = {}  # frames by MPI waiting for their MARK
+        self.reading: Set[int] = set()  # peers whose ring _ring_read goes through
+        self.pokes: Set[int] = set()  # peers with frames queued in their ring: see flush
+        self.mapped: List[_ring.Ring] = []  # the peers' rings we write to
+        self.dead: List[_ring.Ring] = []  # rings of peers that left, unmapped at the next poll
+        self.lost_later: Dict[int, str] = {}  # peers that left, reported once their frames are in
+        self.ring_sent = 0  # frames written to rings
+        self.ring_got = 0  # frames read from rings
+        self.ring_waits = 0  # sends that found a ring full
+        self.ring_passes = 0  # passes of _progress that rings delivered in
+        self.signalling = False
         if members is None:
             members = list(range(comm.Get_size()))
         self.ctx = members[comm.Get_rank()]
@@ -510,6 +566,7 @@ class MpiTransport(Transport):
             self.wake_name = wake[0]
             self.waker = Waker(wake[0], self.ctx)
             self._learn_hosts(wake[1])
+            self._offer_rings()
 
     def _link(self, comm: Any, members: Sequence[int]) -> None:
         """Reach, through ``comm`` (whose rank r is context members[r]), every
@@ -557,6 +614,12 @@ class MpiTransport(Transport):
         if self.waker is None or not self.woken_by_all:
             return False
         from .local import _set_async
+        if on:
+            # ring frames wake us while signals are on. Never cleared here:
+            # this runs in the service's thread, perhaps while the engine's
+            # sleep relies on the flag; its next wake clears it
+            self.nap(True)
+        self.signalling = on
         _set_async(self.waker.fd, on)
         return True
 
@@ -585,6 +648,12 @@ class MpiTransport(Transport):
     # -- sending -------------------------------------------------------------
     def queue(self, dest: int, parts: Sequence[object], load: int) -> int:
         self._check(dest)
+        r = self.rout.get(dest)
+        if r is None and dest in self.rout_next:
+            r = self._switch(dest)
+        if r is not None:
+            self.pokes.add(dest)  # flush() sees whether it naps
+            return self._ring_send(dest, r, parts, load, False)
         rec = _record(parts, load)
         if rec is None or len(rec) > SMALL:
             return self.send(dest, parts, load)
@@ -598,6 +667,12 @@ class MpiTransport(Transport):
         return len(rec)
 
     def flush(self) -> None:
+        if self.pokes:
+            pokes, self.pokes = self.pokes, set()
+            for dest in pokes:
+                r = self.rout.get(dest)
+                if r is not None:
+                    self._wake_ring(dest, r)
         for dest in list(self.wbuf):
             self._flush_one(dest)
 
@@ -607,6 +682,16 @@ class MpiTransport(Transport):
             self._post(dest, data, counted=True)
 
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        r = self.rout.get(dest)
+        if r is not None and not self.closing:
+            # the common case on one host, first: a peer we write to in its
+            # ring (which it is only until it leaves)
+            self.sends += 1
+            if self.sends % 3 == 0:
+                self._progress_aside()
+                r = self.rout.get(dest)
+            if r is not None:
+                return self._ring_send(dest, r, parts, load, True)
         self._check(dest)
         if dest in self.wbuf:
             self._flush_one(dest)  # the frames queued before this one go first
@@ -614,9 +699,19 @@ class MpiTransport(Transport):
         # a probe: not on every send)
         self.sends += 1
         if self.sends % 3 == 0:
-            self._progress()
+            self._progress_aside()
             if dest in self.gone:
                 raise ConnectionError(f"context {dest} has left")
+        r = self.rout.get(dest)
+        if r is None and dest in self.rout_next:
+            r = self._switch(dest)
+        if r is not None:
+            return self._ring_send(dest, r, parts, load, True)
+        return self._mpi_send(dest, parts, load)
+
+    def _mpi_send(self, dest: int, parts: Sequence[object], load: int) -> int:
+        if dest in self.wbuf:
+            self._flush_one(dest)  # the frames queued before this one go first
         rec = _record(parts, load)
         if rec is not None:
             self._post(dest, rec, counted=True)
@@ -698,7 +793,7 @@ class MpiTransport(Transport):
                        and self.sent_bytes[dest] > self.acked_bytes[dest])):
                 if dest in self.gone:
                     raise ConnectionError(f"context {dest} has left")
-                if not self._progress():
+                if not self._progress_aside():
                     self._nap(NAP_MIN)
         finally:
             self.blocked_on = None
@@ -714,7 +809,7 @@ class MpiTransport(Transport):
                 if dest in self.gone:
                     self._abandon(reqs, views)
                     raise ConnectionError(f"context {dest} left before taking a frame")
-                if not self._progress() and not self._moved:
+                if not self._progress_aside() and not self._moved:
                     # the peer copies out of our memory as it makes progress:
                     # a short nap at most, or the copy waits for us
                     self._nap(NAP_MIN)
@@ -751,11 +846,291 @@ class MpiTransport(Transport):
     def _control(self, dest: int, kind: int) -> None:
         self._post(dest, _REC.pack(CONTROL, kind) + _CREDIT.pack(0, 0), counted=False)
 
+    # -- shared-memory rings ---------------------------------------------------
+    def _offer_rings(self) -> None:
+        """Offer a ring to every peer of this host not offered one yet."""
+        if not self.rings:
+            return
+        for p in sorted(self.wakes):
+            if p not in self.offered and p not in self.gone:
+                self.offered.add(p)
+                self._offer(p)
+
+    def _offer(self, p: int) -> None:
+        try:
+            if self.host is None:
+                self.host = _ring.RingHost()
+            r = self.host.ring(self.ring_bytes)
+        except OSError:
+            return  # no memfd here (or no memory): MPI alone
+        nonce = int.from_bytes(os.urandom(7), "little") + 1
+        r.words[_NONCE] = nonce
+        self.offers[p] = r
+        body = _OFFER.pack(os.getpid(), self.host.fd, r.offset, r.cap, nonce)
+        self._post(p, _REC.pack(CONTROL, OFFER) + _CREDIT.pack(len(body), 0) + body,
+                   counted=False)
+
+    def _offered(self, src: int, body: Any) -> None:
+        """``src`` offers us its ring: we write there from our next send."""
+        pid, fd, offset, cap, nonce = _OFFER.unpack_from(body)
+        if not self.rings or src not in self.wakes or src in self.rout or src in self.rout_next:
+            return
+        try:
+            r = _ring.Ring.open(pid, fd, offset, cap, self.ctx + 1)
+        except (OSError, ValueError):
+            return  # not ours to open (another user, no /proc): MPI alone
+        if r.words[_NONCE] != nonce:
+            r.close()  # the pid is another process here: not the same pid namespace
+            return
+        self.mapped.append(r)
+        self.rout_next[src] = r
+
+    def _switched(self, src: int) -> None:
+        """``src`` writes to us in its ring from here on (after all it sent by MPI)."""
+        r = self.offers.pop(src, None)
+        if r is None:
+            return
+        self.rin[src] = r
+        self.rins = list(self.rin.items())
+        self.bell_seen = -1  # look at every ring at the next pass
+
+    def _switch(self, dest: int) -> _ring.Ring:
+        """Write to ``dest``'s ring from now on: the frames queued for MPI go
+        first, then SWITCH, which tells the peer to look there."""
+        self._flush_one(dest)
+        self._post(dest, _REC.pack(CONTROL, SWITCH) + _CREDIT.pack(0, 0), counted=False)
+        r = self.rout[dest] = self.rout_next.pop(dest)
+        return r
+
+    def _ring_send(self, dest: int, r: _ring.Ring, parts: Sequence[object], load: int,
+                   now: bool) -> int:
+        # an entry of up to half the ring fits once the reader has caught up,
+        # wherever the ring's end falls (rmax); a larger one might never fit
+        d = parts[0] if len(parts) == 1 else None
+        if (type(d) is bytes or type(d) is bytearray) and len(d) <= self.rmax:  # type: ignore[arg-type]
+            n = len(d)  # type: ignore[arg-type]
+            if not r.put(d, load):
+                self._wait_ring(dest, r, d, load, 0)
+        else:
+            rec = _record(parts, load)
+            if rec is None or len(rec) > self.rmax:
+                # large: it travels by MPI, and a MARK in the ring keeps its place
+                if not r.put(b"", 0, _ring.MARK):
+                    self._wait_ring(dest, r, b"", 0, _ring.MARK)
+                return self._mpi_send(dest, parts, load)
+            n = len(rec)
+            if not r.put(rec, 0, _ring.MANY):
+                self._wait_ring(dest, r, rec, 0, _ring.MANY)
+        self.ring_sent += 1
+        if now:
+            self._wake_ring(dest, r)
+        return 16 + n
+
+    def _wake_ring(self, dest: int, r: _ring.Ring) -> None:
+        # the reader flags NAP, then looks at BELL; we stored BELL, now NAP
+        _ring.fence()
+        bell = r.bell
+        if bell[_ring.NAP]:
+            bell[_ring.NAP] = 0
+            self.wakeups += 1
+            self.waker.wake(self.wakes[dest])  # type: ignore[union-attr]
+
+    def _wait_ring(self, dest: int, r: _ring.Ring, data: Any, load: int, kind: int) -> None:
+        # The peer's ring is full: it has not read for a while. Take what
+        # comes meanwhile (the peer may be waiting for room in ours), as
+        # _wait_room does for MPI's window.
+        self.blocked_on = dest
+        self.ring_waits += 1
+        try:
+            while not r.put(data, load, kind):
+                if dest in self.gone or self.closed:
+                    raise ConnectionError(f"context {dest} has left")
+                self._wake_ring(dest, r)
+                if not self._progress_aside():
+                    self._nap(NAP_MIN)
+        finally:
+            self.blocked_on = None
+
+    def _rings(self) -> bool:
+        """Read the rings, if a peer wrote since we last looked."""
+        b = self.host.words[_ring.BELL]  # type: ignore[union-attr]
+        if b == self.bell_seen:
+            return False
+        self.bell_seen = b
+        got = False
+        for p, r in self.rins:
+            if r.words[_ring.TAIL] != r.pos:
+                if p in self.reading:
+                    self.bell_seen = -1  # (being read further up the stack: look again)
+                    continue
+                got = self._ring_read(p, r) or got
+        return got
+
+    def _ring_read(self, p: int, r: _ring.Ring, final: bool = False) -> bool:
+        """Hand on what ``p``'s ring holds, and the frames by MPI its MARKs
+        stand for; stops at a MARK whose frame has not come yet (``final``:
+        ``p`` has left, every frame it sent has come: deliver them all)."""
+        got = False
+        self.reading.add(p)
+        try:
+            mm, mask, cap, words = r.mm, r.mask, r.cap, r.words
+            head = r.pos
+            while True:
+                tail = words[_ring.TAIL]
+                if head == tail:
+                    break
+                while head != tail:
+                    off = head & mask
+                    base = _ring.DATA + off
+                    n, load = _ring.ENTRY.unpack_from(mm, base)
+                    if n >= 0:
+                        data = mm[base + 8:base + 8 + n]
+                        head += 8 + ((n + 7) & -8)
+                        r.pos = head
+                        self.ring_got += 1
+                        got = self._hand(p, [data], load) or got
+                    elif n == _ring.WRAP:
+                        head += cap - off
+                        r.pos = head
+                    elif n == _ring.MARK:
+                        q = self.held.get(p)
+                        if not q:
+                            if not final:
+                                words[_ring.HEAD] = head
+                                return got  # still on its way: read again when it comes
+                            head += 8
+                            r.pos = head
+                            continue
+                        f = q.popleft()
+                        head += 8
+                        r.pos = head
+                        got = self._hand_frame(p, f) or got
+                    else:  # MANY: a frame of several buffers, as one MPI record
+                        nb, fload = _REC.unpack_from(mm, base + 8)
+                        lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
+                        pos = base + 16 + 8 * nb
+                        bufs: List[Any] = []
+                        for i, k in enumerate(lens):
+                            # the header bytes, the payloads writable (as MPI's are)
+                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mm[pos:pos + k]))
+                            pos += k
+                        head += 8 + ((load + 7) & -8)  # load: the entry's length here
+                        r.pos = head
+                        self.ring_got += 1
+                        got = self._hand(p, bufs, fload) or got
+                # free the room only after the batch: one store, and the
+                # writer reads HEAD only when the ring looks full
+                words[_ring.HEAD] = head
+            if final:
+                q = self.held.pop(p, None)
+                while q:  # no MARK is left for these: deliver them all the same
+                    got = self._hand_frame(p, q.popleft()) or got
+        finally:
+            self.reading.discard(p)
+        return got
+
+    def _hand(self, p: int, parts: List[Any], load: int) -> bool:
+        """Deliver a frame of ``p``'s, or queue it behind one whose large
+        buffers are still on their way."""
+        if self.closing:
+            return False
+        q = self.inflight.get(p)
+        if q is not None:
+            q.append(_Frame(parts, load, []))
+            return False
+        self.deliver(p, parts, load)  # type: ignore[misc]
+        return True
+
+    def _hand_frame(self, p: int, f: _Frame) -> bool:
+        if f.reqs or p in self.inflight:
+            self.inflight.setdefault(p, deque()).append(f)
+            return False
+        return self._hand(p, f.parts, f.load)
+
+    def nap(self, on: bool) -> bool:
+        """While ``on``, this rank may not look at its rings for a while (it
+        sleeps on :meth:`fileno`, or user code runs): a peer that writes to
+        one then also wakes it (see :class:`Waker`). True if a ring already
+        holds frames (poll rather than wait).
+
+        Example (no ring, on ``COMM_SELF``, where mpi4py is installed):
+            >>> if available() is None:
+            ...     t = MpiTransport(mpi().COMM_SELF.Dup())
+            ...     flags = t.nap(True), t.nap(False)
+            ...     t.close()
+            ... else:
+            ...     flags = (False, False)
+            >>> flags
+            (False, False)
+        """
+        host = self.host
+        if host is not None:
+            host.words[_ring.NAP] = 1 if on else 0
+        if not on:
+            return False
+        if self._aside:
+            return True  # delivered while a send waited: see poll
+        if host is None or not self.rins:
+            return False
+        _ring.fence()  # our flag before their BELL (see _wake_ring)
+        return host.words[_ring.BELL] != self.bell_seen
+
+    def _bury(self) -> None:
+        """Unmap the rings of peers that left (poll calls it first thing: no
+        transport code runs further up the stack then), giving the pages of
+        ours back."""
+        dead, self.dead = self.dead, []
+        for r in dead:
+            if r.host is self.host:
+                self.host.drop(r)  # type: ignore[union-attr]
+            else:
+                r.close()
+                if r in self.mapped:
+                    self.mapped.remove(r)
+
+    def _forget_rings(self, p: int) -> None:
+        """``p`` has left and what its ring held is delivered: its rings go
+        at the next poll."""
+        for d in (self.offers, self.rin, self.rout_next, self.rout):
+            r = d.pop(p, None)
+            if r is not None:
+                self.dead.append(r)
+        self.rins = list(self.rin.items())
+        self.pokes.discard(p)
+
+    def _close_rings(self) -> None:
+        self.rin, self.rins, self.offers, self.rout, self.rout_next = {}, [], {}, {}, {}
+        self.dead = []  # (every one is in mapped or in the host)
+        for r in self.mapped:
+            r.close()
+        self.mapped = []
+        if self.host is not None:
+            self.host.close()  # and every ring in it
+            self.host = None
+
     # -- receiving -----------------------------------------------------------
     _moved = False  # the last _progress completed sends or receives of large buffers
+    # frames were delivered outside poll (while a send waited, or looked for
+    # peers that left): the next poll returns True at once, since what came
+    # may be what its caller waits for (a value taken as it was read)
+    _aside = False
+
+    def _progress_aside(self) -> bool:
+        """_progress, from a send: what it delivers, the next poll reports."""
+        got = self._progress()
+        if got:
+            self._aside = True
+        return got
 
     def poll(self, timeout: Optional[float]) -> bool:
-        if self._progress():
+        if self.dead:
+            self._bury()
+        if self.signalling and self.rins and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
+            # a writer that woke us cleared NAP: flag it again before this
+            # look, or its next frame would raise no signal
+            self.nap(True)
+        if self._progress() or self._aside:
+            self._aside = False
             return True
         if timeout == 0:
             return False
@@ -800,10 +1175,22 @@ class MpiTransport(Transport):
                     if self._spin(deadline, woken=True):
                         return True
                     continue
+                if self.rins and self.nap(True):
+                    # a ring frame came since we last looked: NAP is flagged
+                    # (a writer from here on wakes us), look once more
+                    if not self.signalling:
+                        self.nap(False)
+                    if self._progress():
+                        return True
+                    continue
                 self._reap()
                 self.sleeps += 1
                 longest = SLEEP_MAX if self.woken_by_all and not self.expect else NAP_MAX
-                waker.sleep(min(left, longest))
+                try:
+                    waker.sleep(min(left, longest))
+                finally:
+                    if self.rins and not self.signalling:
+                        self.nap(False)
                 continue
             else:
                 self._nap(min(NAP_MAX, left))
@@ -864,8 +1251,18 @@ class MpiTransport(Transport):
         a frame was delivered."""
         got = False
         self._moved = False
+        if self.rins:
+            got = self._rings()
+            if got:
+                # MPI too, now and then (a goodbye, a credit, a large
+                # buffer): while rings deliver, a probe would double a pass
+                self.ring_passes += 1
+                if self.ring_passes % _RING_LOOK:
+                    self.active_at = time.monotonic()
+                    self.expect = False
+                    return True
         if self.inflight:
-            got = self._advance()
+            got = self._advance() or got
         if self.pushing or len(self.unfinished) > 16:
             self._reap()
         status, anyone, byte = self.status, self.any_source, self.byte
@@ -878,6 +1275,9 @@ class MpiTransport(Transport):
                 buf = bytearray(status.Get_count(byte))
                 msg.Recv([buf, byte])
                 got = self._parse(src if members is None else members[src], buf) or got
+        if self.bell_seen == -1 and self.rins:
+            # a SWITCH that came, a frame a MARK waits for: look again
+            got = self._rings() or got
         if self.grows and not self.closing:
             self.grow(self.grows.pop(0))
         if got or self._moved:
@@ -898,6 +1298,9 @@ class MpiTransport(Transport):
                     got = True
             if not q:
                 del self.inflight[src]
+                how = self.lost_later.pop(src, None)
+                if how is not None and not self.closing and self.lost is not None:
+                    self.lost(src, how)
         return got
 
     def _parse(self, src: int, buf: bytearray) -> bool:
@@ -907,6 +1310,8 @@ class MpiTransport(Transport):
         counted = False
         copied = 0
         deliver = self.deliver
+        # after its SWITCH, a peer's frames by MPI wait for their MARK in its ring
+        hq = self.held.setdefault(src, deque()) if src in self.rin else None
         while pos < end:
             nb, load = _REC.unpack_from(buf, pos)
             if nb == CONTROL:
@@ -922,6 +1327,13 @@ class MpiTransport(Transport):
                 elif load == GROW:  # a plan to add ranks, a bytes long
                     self.grows.append(pickle.loads(buf[pos:pos + a]))
                     pos += a
+                elif load == OFFER:
+                    self._offered(src, buf[pos:pos + a])
+                    pos += a
+                elif load == SWITCH:
+                    self._switched(src)
+                    if src in self.rin:
+                        hq = self.held.setdefault(src, deque())
                 continue
             counted = True
             if nb == 1:
@@ -930,7 +1342,10 @@ class MpiTransport(Transport):
                     pos += 16
                     parts = [mv[pos:pos + n0]]
                     pos += n0
-                    if src in self.inflight:
+                    if hq is not None:
+                        hq.append(_Frame(parts, load, []))
+                        self.bell_seen = -1  # its MARK may be waiting for it
+                    elif src in self.inflight:
                         self.inflight[src].append(_Frame(parts, load, []))
                     elif not self.closing:
                         deliver(src, parts, load)  # type: ignore[misc]
@@ -956,7 +1371,10 @@ class MpiTransport(Transport):
                         big = self.pool.get(n)
                     reqs.append(self.dcomm[src].Irecv([big, self.byte], self.drank[src], DATA))
                     parts.append(big)
-            if reqs or src in self.inflight:
+            if hq is not None:
+                hq.append(_Frame(parts, load, reqs))
+                self.bell_seen = -1  # its MARK may be waiting for it
+            elif reqs or src in self.inflight:
                 self.inflight.setdefault(src, deque()).append(_Frame(parts, load, reqs))
             elif not self.closing:
                 deliver(src, parts, load)  # type: ignore[misc]
@@ -972,6 +1390,11 @@ class MpiTransport(Transport):
 
     def _bye(self, src: int) -> None:
         """``src`` is leaving: everything it sent has come (order per pair)."""
+        r = self.rin.get(src)
+        if r is not None and src not in self.reading:
+            # what it wrote in its ring before it left comes first
+            self._ring_read(src, r, final=True)
+        self._forget_rings(src)
         if src in self.gone:
             self.acked.add(src)  # we said goodbye too: its goodbye answers ours
             return
@@ -981,8 +1404,11 @@ class MpiTransport(Transport):
             self._control(src, ACK)  # after everything we sent it: it can go
         except Exception:
             pass
-        if not self.closing and self.lost is not None:
-            self.lost(src, "its context left (it said goodbye on MPI)")
+        how = "its context left (it said goodbye on MPI)"
+        if src in self.inflight:
+            self.lost_later[src] = how  # once its last frames' large buffers are in
+        elif not self.closing and self.lost is not None:
+            self.lost(src, how)
 
     # -- adding ranks ----------------------------------------------------------
     def tell_grow(self, dest: int, plan: Dict[str, Any]) -> None:
@@ -1032,6 +1458,7 @@ class MpiTransport(Transport):
             marshal.main_by_value()
         self._link(merged, live + ids)
         self._learn_hosts(plan["hosts"])
+        self._offer_rings()
 
     # -- closing -------------------------------------------------------------
     def close(self, linger: float = LINGER) -> None:
@@ -1078,6 +1505,7 @@ class MpiTransport(Transport):
             pass
         self.abandon()
         self.closed = True
+        self._close_rings()
         if self.waker is not None:
             self.waker.close()
         if self._natives is not None:
@@ -1305,7 +1733,8 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
         marshal.snapshot_main()  # the same script runs everywhere: what it defined exists here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _serve_on(MpiTransport(comm, setup["spin_us"], wake=(setup["computation"], setup["hosts"]),
-                           window=setup.get("window", False)), setup)
+                           window=setup.get("window", False), rings=setup.get("rings", False)),
+              setup)
 
 
 def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
@@ -1367,7 +1796,8 @@ def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank adde
     comm = inter.Merge(high=True)
     inter.Free()
     transport = MpiTransport(comm, go["spin_us"], wake=(go["computation"], go["hosts"]),
-                             members=list(go["live"]) + list(go["ids"]))
+                             members=list(go["live"]) + list(go["ids"]),
+                             rings=go.get("rings", False))
     _serve_on(transport, go, go["init"])
 
 
@@ -1546,7 +1976,9 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         global _world_done
         from ..core import marshal
         from ..core.context import Engine
+        from ..launch import rings_setting
         s = self.session
+        rings = rings_setting()  # (a bad setting is an error before any rank waits for us)
         MPI = mpi()
         self.placement, self.spin_us = placement, spin_us
         world = world_from_environment()
@@ -1596,9 +2028,10 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             # end, and a window that cannot be freed would bind them
             window = not self.spawned and os.environ.get("MACROFLOW_MPI_WINDOW", "1") != "0"
             _handshake(comm, {"computation": s.computation, "placement": placement,
-                             "spin_us": spin_us, "hosts": names, "window": window})
+                             "spin_us": spin_us, "hosts": names, "window": window,
+                             "rings": rings})
             transport = MpiTransport(comm, spin_us, release=release,
-                                     wake=(s.computation, names), window=window)
+                                     wake=(s.computation, names), window=window, rings=rings)
         except BaseException:
             if not self.spawned:
                 comm.Abort(1)  # the other ranks wait for a setup that will never come
@@ -1657,7 +2090,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 # __main__'s classes by name; the new ones cannot
                 "main_by_value": not self.spawned}
         go = dict(plan, computation=self.session.computation, placement=self.placement,
-                  spin_us=self.spin_us, init=bytes(blob))
+                  spin_us=self.spin_us, init=bytes(blob), rings=t.rings)
         reqs = [parent.isend(go, dest=r, tag=SETUP) for r in range(1, len(ids) + 1)]
         for c in live[1:]:
             t.tell_grow(c, plan)
