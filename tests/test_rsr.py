@@ -200,6 +200,10 @@ def test_call_after_rsrs_to_the_same_context_sees_them(run):
             mf.rsr(mf.info(rec).gptr, record, i)
         first = rec.seen().result()
         rec2 = Recorder.create(on=1)
+        # made before context 2 sends to it: its constructor (from here) and
+        # the requests (from context 2) come from different contexts, which
+        # are not ordered with each other
+        rec2.seen().result()
         second = Sender.create(on=2).send_then_ask(rec2, 5).result()
         return first, second
 
