@@ -126,6 +126,20 @@ def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:
 _plain_dtypes: dict = {}
 
 
+def _dtype_name(dt: np.dtype) -> Optional[str]:
+    """The name an array of ``dt`` travels under, or None if such arrays
+    are pickled as numpy pickles them (kept per dtype).
+
+    Example:
+        >>> _dtype_name(np.dtype(np.float64)), _dtype_name(np.dtype([("a", "i4")]))
+        ('<f8', None)
+    """
+    try:
+        return _plain_dtypes[dt]
+    except KeyError:
+        return _plain(dt)
+
+
 def _plain(dt: np.dtype) -> Optional[str]:
     name = dt.str
     if dt.kind not in "biufcSU" or dt.itemsize == 0 or dt.fields is not None or dt.subdtype is not None or \
@@ -141,11 +155,7 @@ def _reduce_array(a: np.ndarray) -> Any:
     # travels as its bytes (out of band when large), the dtype's name and shape
     if not a.flags.c_contiguous:
         return NotImplemented
-    dt = a.dtype
-    try:
-        name = _plain_dtypes[dt]
-    except KeyError:
-        name = _plain(dt)
+    name = _dtype_name(a.dtype)
     if name is None:
         return NotImplemented
     return _array, (pickle.PickleBuffer(a), name, a.shape)
@@ -360,10 +370,7 @@ def _describe(a: np.ndarray) -> Optional[Tuple[bytes, bool]]:
     for arrays of the same dtype and shape), or None if its dtype is not
     one that travels described."""
     dt = a.dtype
-    try:
-        name = _plain_dtypes[dt]
-    except KeyError:
-        name = _plain(dt)
+    name = _dtype_name(dt)
     if name is None:
         return None
     head = _heads.get(name)

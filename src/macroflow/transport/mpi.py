@@ -973,7 +973,7 @@ class MpiTransport(Transport):
         got = False
         self.reading.add(p)
         try:
-            mm, mask, cap, words = r.mm, r.mask, r.cap, r.words
+            mm, mv, mask, cap, words = r.mm, r.mv, r.mask, r.cap, r.words
             head = r.pos
             while True:
                 tail = words[_ring.TAIL]
@@ -1012,7 +1012,7 @@ class MpiTransport(Transport):
                         bufs: List[Any] = []
                         for i, k in enumerate(lens):
                             # the header bytes, the payloads writable (as MPI's are)
-                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mm[pos:pos + k]))
+                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
                             pos += k
                         head += 8 + ((load + 7) & -8)  # load: the entry's length here
                         r.pos = head
