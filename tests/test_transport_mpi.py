@@ -278,8 +278,13 @@ def _mapped_shm() -> set:
     return found
 
 
+def _job_files() -> set:
+    """MPICH's segments and the ranks' shared pages in /dev/shm."""
+    return set(glob.glob("/dev/shm/mpich_shm_*")) | set(glob.glob("/dev/shm/macroflow-mpi-*"))
+
+
 def _sweep(before: set) -> None:
-    for path in set(glob.glob("/dev/shm/mpich_shm_*")) - before - _mapped_shm():
+    for path in _job_files() - before - _mapped_shm():
         try:
             os.unlink(path)
         except OSError:
@@ -288,7 +293,7 @@ def _sweep(before: set) -> None:
 
 @pytest.fixture(autouse=True, scope="module")
 def _no_mpich_segments_left_by_the_module():
-    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    before = _job_files()
     yield
     _sweep(before)  # those a test's ending job still mapped when the test ended
 
@@ -296,9 +301,10 @@ def _no_mpich_segments_left_by_the_module():
 @pytest.fixture(autouse=True)
 def _no_mpich_segments_left():
     # a job that MPI_Abort or a killed rank ends leaves MPICH's shared-memory
-    # segment behind (MPICH unlinks it only when the job ends in order): the
-    # suite removes what its own jobs left
-    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    # segment behind (MPICH unlinks it only when the job ends in order), and
+    # the ranks' shared pages (context 0 removes them when it ends in order):
+    # the suite removes what its own jobs left
+    before = _job_files()
     yield
     _sweep(before)
 

@@ -23,6 +23,8 @@ from macroflow.transport import mpi as M
 from macroflow.transport import ring
 
 from conftest import MPI_MISSING
+# what a job ended by a killed rank or MPI_Abort leaves in /dev/shm is removed
+from test_transport_mpi import _no_mpich_segments_left, _no_mpich_segments_left_by_the_module  # noqa: F401,E501
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(MPI_MISSING is not None, reason=str(MPI_MISSING)),
