@@ -278,7 +278,9 @@ def _memfds():
 
 
 @pytest.mark.timeout(120)
-def test_spawned_ranks_use_rings_and_leave_no_memfd_behind(monkeypatch):
+def test_spawned_ranks_use_no_rings_and_leave_no_memfd_behind(monkeypatch):
+    # rings are for the ranks of mpiexec (see the launcher: a spawned job's
+    # disconnection could hang with them)
     monkeypatch.delenv("MACROFLOW_RINGS", raising=False)
     with mf.init(contexts=2, transport="mpi"):
         c = Counter.create(on=1)
@@ -288,7 +290,7 @@ def test_spawned_ranks_use_rings_and_leave_no_memfd_behind(monkeypatch):
             assert c.echo(x).result() == x  # (the timeout of the test if one hangs)
         sent, got = c.ring_counts().result(30)
         t = current_engine().transport
-        assert sent > 1900 and got > 1900 and t.ring_sent > 1900 and t.ring_got > 1900
+        assert (sent, got, t.ring_sent, t.ring_got) == (0, 0, 0, 0)
     assert _memfds() == []
 
 
