@@ -97,10 +97,7 @@ RSR_NOW = 11
 RETIRE, HANDOVER, RETIRED, RETIRE_ACK, LEFT = range(12, 17)
 _encode = marshal._encoder.dumps
 _pdumps = pickle.dumps
-# values the plain C pickler writes as the runtime's would (no out-of-band
-# buffer, nothing for reducer_override): the commonest results, pickled in
-# about a third of the time
-_PLAIN = frozenset((int, float, bool, str, type(None)))
+_PLAIN = marshal.PLAIN  # the commonest results and arguments: the C pickler's
 
 # the call kind the core serves itself: a function of the engine, by name
 # (see SYSTEM_CALLS); models register theirs (see register_model)
@@ -432,12 +429,7 @@ class Engine:
         if fid is None:
             fid = (self.id, next(self.seq))
         arcs = None
-        plain = not kwargs
-        if plain:
-            for a in args:
-                if type(a) not in _PLAIN:
-                    plain = False
-                    break
+        plain = not kwargs and marshal.plain(args)
         if not plain and ((args and _has_future(args))
                           or (kwargs and _has_future(kwargs.values()))):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
