@@ -309,13 +309,13 @@ def _no_mpich_segments_left():
     _sweep(before)
 
 
-def _env():
-    env = dict(os.environ)
+def _env(extra=None):
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
-def _mpiexec(tmp_path, n, body, *args, timeout=90, cli=False):
+def _mpiexec(tmp_path, n, body, *args, timeout=90, cli=False, env=None):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
     if cli:
@@ -325,7 +325,7 @@ def _mpiexec(tmp_path, n, body, *args, timeout=90, cli=False):
         cmd = [M._find_mpiexec(), "-n", str(n), sys.executable, str(script), *args]
     # a session of its own: whatever happens, the test can end the whole job
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), start_new_session=True)
+                         env=_env(env), start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -10,10 +10,6 @@ import ast
 import glob
 import os
 import select
-import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -25,12 +21,11 @@ from macroflow.transport import ring
 from conftest import MPI_MISSING
 # what a job ended by a killed rank or MPI_Abort leaves in /dev/shm is removed
 from test_transport_mpi import _no_mpich_segments_left, _no_mpich_segments_left_by_the_module  # noqa: F401,E501
+from test_transport_mpi import _mpiexec
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(MPI_MISSING is not None, reason=str(MPI_MISSING)),
               pytest.mark.skipif(ring.problem() is not None, reason="no rings on this CPU")]
-
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
 def _self_ring(name, ring_bytes=M.RING_BYTES):
@@ -292,23 +287,6 @@ def test_spawned_ranks_use_no_rings_and_leave_no_memfd_behind(monkeypatch):
         t = current_engine().transport
         assert (sent, got, t.ring_sent, t.ring_got) == (0, 0, 0, 0)
     assert _memfds() == []
-
-
-def _mpiexec(tmp_path, n, body, env=None, timeout=90):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(body))
-    e = dict(os.environ, **(env or {}))
-    e["PYTHONPATH"] = SRC + os.pathsep + e.get("PYTHONPATH", "")
-    p = subprocess.Popen([M._find_mpiexec(), "-n", str(n), sys.executable, str(script)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"the job did not end within {timeout} s:\n{out}\n{err}")
-    return p.returncode, out, err
 
 
 COUNTING = """
