@@ -336,3 +336,68 @@ def test_two_large_arrays_arrive_each_in_its_place(run):
 
 def _relay_both(box, a, b, home):
     mf.rsr(home, _keep_both, a, b)
+
+
+@mf.persistent
+class LateBox:
+    """A box whose constructor waits for an argument computed elsewhere."""
+
+    def __init__(self, first, fail=False):
+        if fail:
+            raise ValueError("no box today")
+        self.got = [first]
+
+    def items(self):
+        return list(self.got)
+
+
+@mf.persistent
+class Gate:
+    def __init__(self):
+        self.open = False
+
+    def release(self):
+        self.open = True
+
+    @mf.guard(lambda self: self.open)
+    def value(self, x):
+        return x
+
+
+@pytest.mark.parametrize("thread", ["inline", "new", "now"])
+def test_requests_to_an_object_whose_constructor_waits_run_once_it_lives(run, thread):
+    # the constructor waits for a value that is released only after the
+    # requests were sent: they reach the object before it exists, are held,
+    # and run after the constructor and before the call queued behind them
+    def main():
+        gate = Gate.create(on=0)
+        box = LateBox.create(gate.value("made"), on=1)
+        g = mf.info(box).gptr
+        for i in range(3):
+            mf.rsr(g, deposit, i, thread=thread)
+        later = box.items()
+        gate.release()
+        items = later.result()
+        s = mf.stats()[1]
+        return items, s["rsr_dropped"], s["rsr_executed"]
+
+    items, dropped, executed = run(main, contexts=2)
+    assert items == ["made", (0, 1), (1, 1), (2, 1)]
+    assert (dropped, executed) == (0, 3)
+
+
+def test_requests_held_for_a_constructor_that_fails_are_reported_dropped(run, capfd, transport):
+    def main():
+        gate = Gate.create(on=0)
+        box = LateBox.create(gate.value("made"), True, on=1)
+        mf.rsr(mf.info(box).gptr, deposit, "never")
+        mf.rsr(mf.info(box).gptr, deposit, "nor this", thread="new")
+        gate.release()
+        with pytest.raises(mf.ObjectDestroyed, match="could not be created.*no box today"):
+            box.items().result()
+        s = mf.stats()[1]
+        return s["rsr_dropped"], s["rsr_executed"]
+
+    assert run(main, contexts=2) == (2, 0)
+    if transport != "mpi":  # spawned ranks write to the job's stderr, not pytest's capture
+        assert capfd.readouterr().err.count("deposit for object") == 2

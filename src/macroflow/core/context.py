@@ -74,6 +74,7 @@ import array
 import math
 import numbers
 import copy
+import functools
 import heapq
 import itertools
 import os
@@ -769,6 +770,12 @@ class Engine:
     def spawn(self, fn, *args) -> None:
         pool = self.pool
         g = pool.free.pop() if pool.free else pool.get()
+        if getcurrent() is not self.root:
+            # from a worker (a thread's handler that opened a guard, say): the
+            # new thread's end and its waits switch to the root, not back
+            # here, so it starts from the engine's next step instead
+            Waiter(self, g).wake((fn, args))
+            return
         if g.switch((fn, args)) is DONE:
             pool.put(g)
 
@@ -1262,7 +1269,7 @@ class Engine:
         _, gid, handler, args, thread = msg
         target = self.resolve(gid)
         if target is _MISSING:
-            self._rsr_dropped(gid, handler)
+            self._hold_rsr(gid, handler, args, thread)
             return
         if thread == "inline":
             self.in_inline = True
@@ -1283,6 +1290,33 @@ class Engine:
         if model is not None:
             model.served(gid[0], gid[1])  # the handler may have changed its target
 
+    def _hold_rsr(self, gid, handler, args, thread: str) -> None:
+        # what the pointer names may not exist yet (an object whose
+        # constructor is on its way, or waits for its arguments): its model
+        # keeps the request and runs it once it does
+        model = self.pointer_kinds.get(gid[0])
+        if model is None or not model.hold(gid[0], gid[1], functools.partial(
+                self._run_held_rsr, gid, handler, args, thread)):
+            self._rsr_dropped(gid, handler)
+
+    def _run_held_rsr(self, gid, handler, args, thread: str, target: Any) -> bool:
+        # a model's release of a held request; True: it starts a thread later
+        if target is _MISSING:
+            self._rsr_dropped(gid, handler)
+            return False
+        if thread == "new":
+            self.spawn(self._run_rsr, gid, handler, target, args)
+            return True
+        inline, self.in_inline = self.in_inline, True
+        try:
+            handler(target, *args)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            self.in_inline = inline
+        self.stats.rsr_executed += 1
+        return False
+
     def _rsr_dropped(self, gid, handler) -> None:
         self.stats.rsr_dropped += 1
         name = getattr(handler, "__qualname__", repr(handler))
@@ -1296,7 +1330,7 @@ class Engine:
         _, gid, handler, args = msg
         target = self.resolve(gid)
         if target is _MISSING:
-            self._rsr_dropped(gid, handler)
+            self._hold_rsr(gid, handler, args, "now")
             return
         inline, self.in_inline = self.in_inline, True
         try:
@@ -1920,6 +1954,15 @@ class Model:
     def served(self, kind: str, ident: Any) -> None:
         """A remote service request ran on what (kind, ident) names: it may
         have changed it. With ``engine._in_serve`` nothing may start from here."""
+
+    def hold(self, kind: str, ident: Any, release: Callable[[Any], bool]) -> bool:
+        """(kind, ident) names nothing here yet, but may soon (an object whose
+        constructor is on its way): keep ``release`` and call it once, with
+        the target when it exists or with MISSING when it never will, before
+        anything else runs on that target. ``release`` returns True when it
+        started a thread that should run first. Returns False when nothing
+        will ever be there (the request is then reported as dropped)."""
+        return False
 
     def lost(self, peer: int) -> None:
         """Context ``peer`` is lost (called before its futures fail)."""

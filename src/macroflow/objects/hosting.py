@@ -57,7 +57,7 @@ class HostedObject:
     """
 
     __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
-                 "arrivals", "busy", "state", "error", "label", "guarded", "running")
+                 "arrivals", "busy", "state", "error", "label", "guarded", "running", "held")
 
     def __init__(self, oid, label):
         self.oid = oid
@@ -75,6 +75,7 @@ class HostedObject:
         self.error: Optional[BaseException] = None
         self.label = label
         self.guarded: frozenset = frozenset()  # names of methods with a guard
+        self.held: Optional[List[Any]] = None  # requests that came before the constructor ran
 
 
 def _describe(target, method) -> str:
@@ -136,11 +137,40 @@ class ObjectHost(Model):
         else:
             self._pump(obj)  # the handler may have changed what the guards see
 
+    def hold(self, kind: str, ident: Any, release: Any) -> bool:
+        obj = self.objects.get(ident)
+        if obj is None:
+            if self._fate(ident) is not None:
+                return False
+            obj = self.objects[ident] = HostedObject(ident, "object")
+            self._wait_for_creator(ident[0], ident)  # its constructor is on its way
+        elif obj.state != "new":
+            return False
+        if obj.held is None:
+            obj.held = []
+        obj.held.append(release)
+        return True
+
+    def _release(self, obj: HostedObject) -> bool:
+        # requests held for an object that now lives, or never will; True:
+        # one of them started a thread, which should run before its calls
+        held, obj.held = obj.held, None
+        target = obj.instance if obj.state == "live" else MISSING
+        started = False
+        for release in held:
+            started = release(target) or started
+        if target is MISSING and not obj.busy and not obj.queued and obj.create is None \
+                and self.objects.get(obj.oid) is obj and obj.state == "missing":
+            del self.objects[obj.oid]  # it stood in for requests only
+        return started
+
     def lost(self, peer: int) -> None:
         for oid in self.unborn.pop(peer, ()):
             obj = self.objects.get(oid)
             if obj is not None and obj.state == "new" and obj.create is None:
                 obj.state = "missing"  # its creator is gone before it sent the constructor
+                if obj.held:
+                    self._release(obj)
                 self._pump(obj)
 
     def snapshot(self, d: Dict[str, Any]) -> None:
@@ -151,8 +181,10 @@ class ObjectHost(Model):
         labels = {oid: f"{obj.label} (on context {self.eng.id}, which was removed)"
                   for oid, obj in self.objects.items()}
         labels.update(self.orphans)
-        for obj in self.objects.values():
+        for obj in list(self.objects.values()):
             obj.state = "destroyed"
+            if obj.held:
+                self._release(obj)
         return labels
 
     def take_over(self, cid: int, data: Any) -> None:
@@ -163,14 +195,24 @@ class ObjectHost(Model):
         obj = self.objects[oid] = HostedObject(oid, _describe(target, None))
         if call.kind == CREATE:
             return obj
-        label = self.tombstones.get(oid) or self.orphans.get(oid)
-        if label is not None:
-            obj.label, obj.state = label, "destroyed"
-        elif self.eng.seen.get(oid[0], 0) >= oid[1]:
+        fate = self._fate(oid)
+        if fate is None:
+            self._wait_for_creator(oid[0], oid)  # its constructor is on its way
+        elif fate == "missing":
             obj.state = "missing"
         else:
-            self._wait_for_creator(oid[0], oid)  # its constructor is on its way
+            obj.label, obj.state = fate, "destroyed"
         return obj
+
+    def _fate(self, oid) -> Optional[str]:
+        # an id with no object here: None while its constructor may still
+        # come, else "missing" or the label of the object it was
+        label = self.tombstones.get(oid) or self.orphans.get(oid)
+        if label is not None:
+            return label
+        if self.eng.seen.get(oid[0], 0) >= oid[1]:
+            return "missing"
+        return None
 
     def _wait_for_creator(self, creator: int, oid) -> None:
         self.unborn.setdefault(creator, []).append(oid)
@@ -187,6 +229,8 @@ class ObjectHost(Model):
                 self._wait_for_creator(creator, oid)
                 continue
             obj.state = "missing"  # its constructor would have come by now
+            if obj.held:
+                self._release(obj)
             self._pump(obj)
 
     def _forget_object(self, obj: HostedObject) -> None:
@@ -272,15 +316,21 @@ class ObjectHost(Model):
             if obj.state == "live" and call.kind == PERSISTENT and call.method != DESTROY:
                 # the common case, one call deep: a method of a live object
                 eng._invoke(getattr(obj.instance, call.method, None), call)
-            else:
-                self._execute_on_object(obj, call)
+            elif self._execute_on_object(obj, call):
+                # requests held for the constructor started threads: they
+                # run before the calls queued behind them
+                g.call = obj.running = None
+                obj.busy = False
+                self.eng.spawn(self._pump, obj)
+                return
             g.call = obj.running = None
             call = self._pick(obj) if obj.queued else None
         obj.busy = False
         if obj.state in _GONE and not obj.queued:
             self._forget_object(obj)
 
-    def _execute_on_object(self, obj: HostedObject, call: Call) -> None:
+    def _execute_on_object(self, obj: HostedObject, call: Call) -> bool:
+        # True: the constructor ran and released requests that started threads
         eng = self.eng
         if call.kind == CREATE:
             cls = call.target[1]
@@ -302,11 +352,13 @@ class ObjectHost(Model):
             except BaseException as e:
                 obj.state, obj.error = "broken", e
                 eng._finish(call, False, e)
-                return
+                if obj.held:
+                    self._release(obj)
+                return False
             obj.instance = inst
             obj.state = "live"
             eng._finish(call, True, None)
-            return
+            return self._release(obj) if obj.held else False
         if obj.state != "live":
             if obj.state == "broken" and call.method == DESTROY:
                 obj.state = "destroyed"  # an object whose constructor failed can go
