@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -385,6 +386,116 @@ def actions():
 def test_remote_actions_by_name_or_function_and_their_errors(transport):
     res = mf.spmd(actions, n=2, transport=transport)
     assert res[1] == {"named": 42, "lambda": 1, "unknown": True, "raises": True}
+
+
+class Unhashable:
+    """A callable that cannot be a dict key (it defines __eq__ only)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __eq__(self, other):
+        return isinstance(other, Unhashable) and other.k == self.k
+
+    def __call__(self, x):
+        return (self.k, x, mf.rank())
+
+
+def count_frames():
+    # a remote action is one request and one answer: two frames, as an rsr
+    # ping-pong (the answer comes unasked); the barrier before and after
+    # keeps other traffic out of the counts
+    from macroflow.core.context import current_engine
+    me = mf.rank()
+    eng = current_engine()
+    mf.barrier()
+    before = eng.stats.messages_sent
+    got = None
+    if me == 0:
+        got = [mf.remote_action(1, pong).wait() for _ in range(5)]
+    sent = eng.stats.messages_sent - before
+    mf.barrier()
+    return got, sent, eng.models["spmd"].counts["spmd_actions_served"]
+
+
+def test_a_remote_action_is_one_frame_each_way(transport):
+    (got, sent, served), (_, _, served_1) = mf.spmd(count_frames, n=2, transport=transport)
+    assert got == [1] * 5
+    assert sent == 5 and (served, served_1) == (0, 5)
+
+
+def odd_handlers():
+    me = mf.rank()
+    out = {}
+    out["self"] = mf.remote_action(me, pong).wait()  # to one's own context
+    out["unhashable"] = mf.remote_action(1 - me, Unhashable(7), "x").wait()
+    out["array"] = mf.remote_action(1 - me, np.sum, np.arange(4.0)).wait()
+    h = mf.remote_action(1 - me, pong)
+    del h  # dropped before its answer: the answer is dropped too
+    out["after"] = mf.remote_action(1 - me, pong).wait()
+    try:
+        mf.remote_action(1 - me, pong, threading.Lock())
+    except mf.CallError as e:
+        out["arguments"] = "cannot send the arguments of remote action pong" in str(e)
+    try:
+        mf.remote_action(1 - me, Unhashable(threading.Lock()), 1)
+    except mf.CallError as e:
+        out["handler"] = "cannot send remote action" in str(e)
+    mf.barrier()
+    return out
+
+
+def test_remote_actions_to_oneself_with_odd_handlers_and_pickling_errors(transport):
+    res = mf.spmd(odd_handlers, n=2, transport=transport)
+    for me, out in enumerate(res):
+        assert out == {"self": me, "unhashable": (7, "x", 1 - me), "array": 6.0,
+                       "after": 1 - me, "arguments": True, "handler": True}
+
+
+def polls_for_the_second(gp):
+    # a remote action handler that polls: the second action, sent after
+    # this one, runs meanwhile and sets the flag this one waits for
+    flag = mf.get(gp).wait()
+    while flag[0] == 0.0:
+        mf.poll()
+        flag = mf.get(gp).wait()
+    return "saw the second"
+
+
+def sets_flag_of(gp):
+    mf.put(gp, 1.0).wait()
+    return "second"
+
+
+def poll_in_handler():
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    out = None
+    if mf.rank() == 0:
+        first = mf.remote_action(1, polls_for_the_second, ptrs[1])
+        second = mf.remote_action(1, sets_flag_of, ptrs[1])
+        out = (first.wait(timeout=30), second.wait(timeout=30))
+    mf.barrier()
+    return out
+
+
+def test_poll_in_a_remote_action_lets_later_ones_run(transport):
+    assert mf.spmd(poll_in_handler, n=2, transport=transport)[0] == ("saw the second", "second")
+
+
+def test_a_context_that_dies_fails_the_remote_actions_waiting_on_it(transport):
+    if transport == "inproc":
+        pytest.skip("one process: exiting ends every context")
+    if transport == "mpi":
+        pytest.skip("under MPI a rank that dies ends the job (see the guide's MPI section)")
+    with mf.init(contexts=3, transport=transport):
+        assert mf.remote_action(1, pong).wait(timeout=30) == 1
+        h = mf.remote_action(1, os._exit, 3)
+        with pytest.raises(mf.ContextLost, match="context 1"):
+            h.wait(timeout=30)
+        with pytest.raises(mf.ContextLost, match="context 1"):
+            mf.remote_action(1, pong).wait(timeout=30)  # sent after: fails at once
+        assert mf.remote_action(2, pong).wait(timeout=30) == 2  # the others go on
 
 
 # -- mixing with parallel objects, and runs inside a computation

@@ -2,8 +2,10 @@
 
 Every context of an SPMD run executes the same function (``mf.spmd``). The
 model plugs into the core like the object model does: a call kind, ``spmd``,
-that runs a run's function or a remote action in a lightweight thread, and
-its own messages:
+that runs a run's function in a lightweight thread, a pointer kind,
+``action``, that remote actions name (a remote service request run in a new
+lightweight thread, whose value goes back unasked: see :func:`serve_action`),
+and its own messages:
 
 ============  ===============================================================
 GET           (op, request, ident, byte offset, nbytes): read registered memory
@@ -47,10 +49,10 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
-from ..core.context import (Call, CallKind, Engine, Model, check_timeout, current_engine,
-                            register, register_model)
+from ..core.context import (RSR, Call, CallKind, Engine, Model, check_timeout, current_engine,
+                            register, register_model, rsr_frame)
 from ..core.future import FINISHED, Future
-from ..core.threads import getcurrent
+from ..core.threads import INTERRUPTS, getcurrent
 
 KIND = "spmd"
 GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE = range(20, 29)
@@ -245,8 +247,9 @@ class Run:
 
 
 class SpmdCalls(CallKind):
-    """Runs a run's function ("main") or a remote action ("action") in a
-    lightweight thread: either may wait (a collective, a handle, a future)."""
+    """Runs a run's function ("main") in a lightweight thread, where it may
+    wait (a collective, a handle, a future); a remote action's handler runs
+    as one of its calls too (see :func:`serve_action`)."""
 
     yields_on_poll = True
 
@@ -265,8 +268,6 @@ class SpmdCalls(CallKind):
         getcurrent().call = call
         if call.method == "main":
             self.eng._invoke(self.model.run_main, call)
-        elif call.method == "action":
-            self.eng._invoke(_run_action, call)
         else:
             self.eng._invoke(None, call)
 
@@ -280,6 +281,117 @@ class SpmdCalls(CallKind):
 
 def _name(fn: Any) -> str:
     return fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
+
+
+#: what a remote action's request names (a remote service request's pointer):
+#: the SPMD model of the context it goes to
+ACTION = ("action", 0)
+_HEADS_MAX = 256  # handlers whose request heads are kept; more start afresh
+_heads: Dict[Any, bytes] = {}
+
+
+class Action:
+    """A remote action's handler as its request carries it: the remote
+    service request's handler, called with the target's SPMD model, the
+    handler's arguments and the requester's future id (see :func:`serve_action`).
+
+    Example:
+        >>> Action(len) == Action(len), Action("tests.named").handler
+        (True, 'tests.named')
+    """
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Any):
+        self.handler = handler
+
+    def __call__(self, model: "SpmdModel", *args: Any) -> None:
+        # the future's id comes last, after the arguments: leading arrays
+        # travel described (see marshal.dumps_args)
+        serve_action(model, args[-2], args[-1], self.handler, args[:-2])
+
+    def __repr__(self) -> str:
+        return f"Action({_name(self.handler)})"
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is Action and other.handler == self.handler
+
+    def __hash__(self) -> int:
+        return hash(self.handler)
+
+    def __reduce__(self) -> Any:
+        return (Action, (self.handler,))
+
+
+def action_head(handler: Any) -> bytes:
+    """The start of every remote action request with ``handler`` (see
+    :func:`macroflow.core.context.rsr_frame`): the pickled handler is made
+    once here and decoded once by each receiver; the arguments and the
+    requester's future id follow.
+
+    Raises:
+        macroflow.CallError: the handler cannot be pickled.
+
+    Example:
+        >>> from macroflow.core.context import RSR, _peek_op, _rsr_msg
+        >>> _peek_op(action_head(len)) == RSR
+        True
+        >>> _rsr_msg([action_head(len)])[1:3]
+        (('action', 0), Action(len))
+    """
+    try:
+        head = _heads.get(handler)
+    except TypeError:  # an unhashable callable: made again each time
+        return _make_head(handler)
+    if head is None:
+        head = _make_head(handler)
+        if len(_heads) >= _HEADS_MAX:
+            _heads.clear()
+        _heads[handler] = head
+    return head
+
+
+def _make_head(handler: Any) -> bytes:
+    try:
+        return rsr_frame(RSR, ACTION, Action(handler), "new")
+    except marshal.PICKLE_ERRORS as e:
+        raise errors.CallError(f"cannot send remote action {_name(handler)}: "
+                               f"{type(e).__name__}: {e}") from e
+
+
+def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple) -> None:
+    """A remote action's request, in a new lightweight thread of its target:
+    run the handler as a call of the SPMD kind would (so it may wait, and
+    ``mf.poll()`` in it lets what has arrived run), then send its value or
+    its error to the requester, unasked, as the answer to future (a0, a1)."""
+    eng = model.eng
+    fid = (a0, a1)
+    model.counts["spmd_actions_served"] += 1
+    w = getcurrent()
+    # a call record for the thread: waits in the handler take part in
+    # deadlock probes, and mf.poll() knows the kind it runs for
+    w.call = Call(fid, KIND, None, "action", (handler, args, {}), {}, None, 0, a0)
+    svc = eng.service
+    try:
+        if svc is None:
+            value = _run_action(handler, args, {})
+        else:
+            svc.enter()  # user code: the context serves meanwhile
+            try:
+                value = _run_action(handler, args, {})
+            finally:
+                svc.leave()
+        ok = True
+    except INTERRUPTS:
+        raise  # Ctrl-C ends the program, it is not the handler's exception
+    except BaseException as e:
+        ok, value = False, e
+    finally:
+        w.call = None
+    if ok and type(value) in marshal.PLAIN:
+        eng.send_value(a0, (fid, None), True, pickle.dumps(value, 5), [])
+    else:
+        eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
 
 
 def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:
@@ -303,11 +415,11 @@ class SpmdModel(Model):
         >>> with mf.init(contexts=1, transport="inproc"):
         ...     m = current_engine().models["spmd"]
         ...     sorted(m.kinds), m.pointers, m.regions
-        (['spmd'], ('memory',), {})
+        (['spmd'], ('memory', 'action'), {})
     """
 
     name = "spmd"
-    pointers = ("memory",)
+    pointers = ("memory", "action")
 
     def __init__(self, eng: Engine):
         super().__init__(eng)
@@ -323,13 +435,15 @@ class SpmdModel(Model):
         self.run_seq = itertools.count()
         self.counts = {"spmd_gets_direct": 0, "spmd_gets_window": 0, "spmd_gets_served": 0,
                        "spmd_gets_in_place": 0, "spmd_puts_direct": 0, "spmd_puts_served": 0,
-                       "spmd_collectives": 0}
+                       "spmd_collectives": 0, "spmd_actions_served": 0}
         self.onesided: Optional[str] = None  # how gets and puts may go (env_onesided)
         self._window: Any = False  # the transport's one-sided window (False: not asked yet)
         self.window_gets: Dict[int, int] = {}  # context -> window gets from it in flight
 
     # ------------------------------------------------------------------ the engine's hooks
     def resolve(self, kind: str, ident: Any) -> Any:
+        if kind == "action":
+            return self  # a remote action's request (see serve_action)
         from ..core.context import MISSING
         entry = self.regions.get(ident)
         return MISSING if entry is None else entry[0]

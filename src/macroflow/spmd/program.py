@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from ..core import errors
+from ..core import errors, marshal
 from ..core.context import current_engine
-from ..core.future import CallSite, running_computation
+from ..core.future import CallSite, Future, running_computation
 from . import memory, shmbarrier
-from .model import HANDLERS, KIND, Handle, env_timeout, model_of
+from .model import HANDLERS, KIND, Handle, _name, action_head, env_timeout, model_of
 
 
 def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
@@ -193,6 +194,9 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
     The handler runs in a lightweight thread of that context when its engine
     is free: while it waits (a collective, a handle, a future), polls
     (:func:`macroflow.poll`) or has nothing else to do; it may itself wait.
+    The request is one remote service request, and the value comes back
+    unasked as one message: two frames in all, as a remote service request
+    ping-pong.
 
     Args:
         rank: the context.
@@ -224,10 +228,23 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
     if not (callable(handler) or isinstance(handler, str)):
         raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
                         f"registered handler; got {type(handler).__name__}")
-    # a site whose results are always wanted: the acknowledgement (the
-    # handler's value) comes back unasked, with no request for it
-    _ACTION_SITE.strict = 8
-    f = eng.issue(KIND, None, "action", (handler, args, {}), {}, rank, site=_ACTION_SITE)
+    head = action_head(handler)
+    fid = eng.new_fid()
+    try:
+        data, bufs = marshal.dumps_args((*args, fid[0], fid[1]))
+    except errors.StaleReference:
+        raise  # a future of another computation among the arguments: as it is
+    except Exception as e:  # a __reduce__ may raise anything
+        raise errors.CallError(f"cannot send the arguments of remote action {_name(handler)}: "
+                               f"{type(e).__name__}: {e}") from e
+    f = Future(eng, fid, rank, None, _ACTION_SITE)
+    f._eager = True  # the value comes unasked
+    f._escaped = True  # and is kept nowhere: nothing to release at its home
+    if rank in eng.lost:
+        f._set(False, errors.ContextLost(rank, eng.lost[rank]))
+    else:
+        eng.eager[fid] = weakref.ref(f)  # failed with ContextLost should rank be lost
+        eng.post_frame(rank, [head + data, *bufs] if bufs else [head + data])
     return Handle(eng, f, ("remote action", handler, rank))
 
 
