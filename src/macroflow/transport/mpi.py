@@ -122,7 +122,6 @@ _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our cor
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
-_AB = os.environ.get('MF_AB') == '1'
 _RING_LOOK = 16  # while rings deliver, look at MPI every this many passes
 POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
 _STATE_BYTES = 24
@@ -688,7 +687,7 @@ class MpiTransport(Transport):
             # the common case on one host, first: a peer we write to in its
             # ring (which it is only until it leaves)
             self.sends += 1
-            if self.sends % 3 == 0 and not _AB:
+            if self.sends % 3 == 0:
                 self._progress_aside()
                 r = self.rout.get(dest)
             if r is not None:
