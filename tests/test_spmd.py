@@ -770,6 +770,53 @@ def test_a_collective_that_times_out_names_the_contexts_that_did_not_arrive():
     assert "context 1: has entered 1 collective(s), computes" in text
 
 
+def fails_while_the_other_polls(how):
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        if how == "raise":
+            raise ValueError("context 1 gives up")
+        os._exit(3)
+    while flag[0] == 0.0:  # context 1 would have set it: it never will
+        mf.poll()
+    return "released"
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failed_context_ends_a_function_that_polls_for_it(transport, how):
+    # without it, context 0 would poll for ever and mf.spmd wait for it
+    if how == "exit" and transport in ("inproc", "mpi"):
+        pytest.skip("one process, or an MPI job: exiting ends every context")
+    if how == "raise":
+        with pytest.raises(ValueError, match="context 1 gives up"):
+            mf.spmd(fails_while_the_other_polls, how, n=2, transport=transport)
+    else:
+        with pytest.raises(mf.ContextLost, match="context 1"):
+            mf.spmd(fails_while_the_other_polls, how, n=2, transport=transport)
+
+
+def polls_after_a_caught_failure():
+    # context 1's function catches its barrier's timeout and returns: that
+    # is no reason to end context 0's polling loop, which context 1 releases
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        try:
+            mf.barrier(timeout=0.2)
+        except mf.CollectiveError:
+            pass
+        mf.put(ptrs[0], 1.0).wait()
+        return "caught"
+    while flag[0] == 0.0:
+        mf.poll()
+    return "released"
+
+
+def test_a_failure_another_context_caught_does_not_end_polling(transport):
+    res = mf.spmd(polls_after_a_caught_failure, n=2, transport=transport, timeout=None)
+    assert res == ["released", "caught"]
+
+
 def dies():
     if mf.rank() == 1:
         os._exit(3)

@@ -750,6 +750,11 @@ class Engine:
                 self._on_call(src, msg)
             else:
                 self.dispatch(src, msg)
+        while self.lost_queue:
+            # after the frames read before the loss, and before the threads
+            # resume: one that polls (mf.poll()) sees the loss too, not only
+            # one that waits for a future
+            self._on_lost(self.lost_queue.pop(0))
         ready = self.ready
         while ready:
             w = ready.popleft()
@@ -1389,13 +1394,18 @@ class Engine:
         has arrived for one round. Returns how many messages were served."""
         served = self.poll()
         call = getattr(getcurrent(), "call", None)
-        if call is not None and (self.inbox or self.driver is not self) and \
-                getattr(self.call_kinds.get(call.kind), "yields_on_poll", False):
-            if self.inbox:
+        if call is None:
+            return served
+        kind = self.call_kinds.get(call.kind)
+        if (self.inbox or self.lost_queue or self.driver is not self) \
+                and getattr(kind, "yields_on_poll", False):
+            if self.inbox or self.lost_queue:  # (a lost context: its futures fail)
                 self.yield_now()
             elif self.driver.pending():
                 # inproc: the other contexts share this thread; they run only if it yields
                 self.yield_now(after_round=True)
+        if kind is not None:
+            kind.polled(call)
         return served
 
     def run_pollers(self) -> bool:
@@ -1907,6 +1917,10 @@ class CallKind:
     def check_wait(self, call: Call, future: Future) -> None:
         """The running ``call`` is about to wait for ``future``: raise
         DeadlockError if that wait can never end."""
+
+    def polled(self, call: Call) -> None:
+        """The running ``call`` called ``mf.poll()`` (after it served what had
+        arrived): raise to end it, if what it belongs to cannot go on."""
 
     def queued_behind(self, call: Call) -> Optional[Call]:
         """The call this one waits behind, not started (deadlock probes):

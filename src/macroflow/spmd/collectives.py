@@ -28,7 +28,7 @@ import numpy as np
 from ..core import errors
 from ..core.context import current_engine
 from ..core.future import Future
-from .model import (_UNKNOWN, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
+from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
                     local_future, model_of)
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
@@ -376,6 +376,10 @@ def _complete_shared(run: Run) -> None:
 def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str]) -> None:
     """Context ``rank`` ended the run's function after ``entered`` collectives."""
     run.ended[rank] = (entered, failure)
+    if failure is not None and CAUGHT not in failure and run.aborted is None:
+        run.aborted = errors.CollectiveError(
+            f"mf.poll(): context {rank} failed in its SPMD function ({failure}), so the run "
+            f"cannot complete: this context's function ends here", missing=[rank])
     if failure is not None and run.failed is None:
         run.told = True
         run.failed = errors.CollectiveError(

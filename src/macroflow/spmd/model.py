@@ -57,6 +57,7 @@ from ..core.threads import INTERRUPTS, getcurrent
 KIND = "spmd"
 GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE = range(20, 29)
 _UNKNOWN = object()
+CAUGHT = " (caught): "  # in an ENDED's failure: the function caught it and returned
 CORES = os.cpu_count() or 1  # more contexts than this on the host: oversubscribed
 _RUNS_KEPT = 8  # runs whose messages are still routed after their function ended here
 _EARLY_RUNS_MAX = 64  # runs not started here whose early messages are kept
@@ -222,7 +223,8 @@ class Run:
     """One SPMD run as one context sees it."""
 
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
-                 "failed", "status", "status_wait", "call_fid", "natives", "counters", "shm",
+                 "failed", "aborted", "status", "status_wait", "call_fid", "natives", "counters",
+                 "shm",
                  "signature", "offered", "told")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
@@ -235,6 +237,9 @@ class Run:
         self.early: Dict[int, List[Tuple[int, tuple]]] = {}  # seq -> messages before entry
         self.ended: Dict[int, Tuple[int, Optional[str]]] = {}  # rank -> (entered, failure)
         self.failed: Optional[BaseException] = None  # ends every later collective
+        # another context's function failed, or a context was lost: the run
+        # cannot complete, and mf.poll() in this context's function raises it
+        self.aborted: Optional[BaseException] = None
         self.status: Dict[int, Tuple[int, str]] = {}  # answers to STATUS
         self.status_wait: Optional[Future] = None
         self.call_fid: Any = None
@@ -270,6 +275,14 @@ class SpmdCalls(CallKind):
             self.eng._invoke(self.model.run_main, call)
         else:
             self.eng._invoke(None, call)
+
+    def polled(self, call: Call) -> None:
+        # a run that cannot complete ends a function that polls (waiting for
+        # a flag a failed context would have set, say), rather than leave it
+        # polling for ever while mf.spmd waits for it
+        run = self.model.by_call.get(call.fid)
+        if run is not None and run.aborted is not None:
+            raise run.aborted
 
     def label(self, call: Call) -> str:
         if call.method == "action" and call.args:
@@ -456,6 +469,8 @@ class SpmdModel(Model):
                 self.landed.discard(req)
                 f._set(False, exc)
         for run in self.runs.values():
+            if peer < run.size and run.aborted is None:
+                run.aborted = exc
             if peer < run.size and run.failed is None:
                 run.failed = exc
                 for c in list(run.colls.values()):
@@ -513,7 +528,7 @@ class SpmdModel(Model):
         if failure is None and run.failed is not None and not run.told:
             # the function caught its collectives' failure and returned: the
             # others may wait in a collective this context counted as entered
-            failure = f"{type(run.failed).__name__} (caught): {run.failed}"
+            failure = f"{type(run.failed).__name__}{CAUGHT}{run.failed}"
         natives = None if run.natives is _UNKNOWN or run.natives is None \
             else run.natives.unfinished()
         for r in range(run.size):
