@@ -1312,6 +1312,12 @@ class Engine:
         if thread == "new":
             self.spawn(self._run_rsr, gid, handler, target, args)
             return True
+        self._run_inline(handler, target, args)
+        return False
+
+    def _run_inline(self, handler, target, args) -> None:
+        # a handler that must not wait (in_inline makes a wait raise), run
+        # where the engine, or the service mechanism, stands
         inline, self.in_inline = self.in_inline, True
         try:
             handler(target, *args)
@@ -1320,7 +1326,6 @@ class Engine:
         finally:
             self.in_inline = inline
         self.stats.rsr_executed += 1
-        return False
 
     def _rsr_dropped(self, gid, handler) -> None:
         self.stats.rsr_dropped += 1
@@ -1337,14 +1342,7 @@ class Engine:
         if target is _MISSING:
             self._hold_rsr(gid, handler, args, "now")
             return
-        inline, self.in_inline = self.in_inline, True
-        try:
-            handler(target, *args)
-        except Exception:
-            traceback.print_exc()
-        finally:
-            self.in_inline = inline
-        self.stats.rsr_executed += 1
+        self._run_inline(handler, target, args)
         model = self.pointer_kinds.get(gid[0])
         if model is not None:
             # the handler may have changed its target; with self._in_serve,
