@@ -401,3 +401,40 @@ def test_requests_held_for_a_constructor_that_fails_are_reported_dropped(run, ca
     assert run(main, contexts=2) == (2, 0)
     if transport != "mpi":  # spawned ranks write to the job's stderr, not pytest's capture
         assert capfd.readouterr().err.count("deposit for object") == 2
+
+
+class Adder:
+    def __init__(self, k):
+        self.k = k
+
+    def add(self, box, x):
+        box.got.append(self.k + x)
+
+
+def test_a_handler_with_state_is_sent_as_it_is_at_each_request(run):
+    def main():
+        box = Mailbox.create(on=1)
+        g = mf.info(box).gptr
+        adder = Adder(1)
+        mf.rsr(g, adder.add, 1)
+        adder.k = 100  # a bound method's object changed: the next request sees it
+        mf.rsr(g, adder.add, 1)
+        return box.items().result()
+
+    assert run(main, contexts=2) == [2, 101]
+
+
+def test_a_request_held_for_a_failed_constructor_says_why(capfd, transport):
+    if transport == "mpi":
+        pytest.skip("spawned ranks write to the job's stderr, not pytest's capture")
+
+    def main():
+        gate = Gate.create(on=0)
+        box = LateBox.create(gate.value("made"), True, on=1)
+        mf.rsr(mf.info(box).gptr, deposit, "never")
+        gate.release()
+        with pytest.raises(mf.ObjectDestroyed):
+            box.items().result()
+
+    mf.run(main, contexts=2, transport=transport)
+    assert "its object was never made (its constructor failed" in capfd.readouterr().err

@@ -1,6 +1,7 @@
 """Tulip's SPMD model: runs, get/put, remote actions and collectives, on every transport."""
 
 import array
+import functools
 import os
 import subprocess
 import sys
@@ -450,6 +451,86 @@ def test_remote_actions_to_oneself_with_odd_handlers_and_pickling_errors(transpo
     for me, out in enumerate(res):
         assert out == {"self": me, "unhashable": (7, "x", 1 - me), "array": 6.0,
                        "after": 1 - me, "arguments": True, "handler": True}
+
+
+class Scaler:
+    def __init__(self, k):
+        self.k = k
+
+    def scale(self, x):
+        return self.k * x
+
+
+class Tally:
+    """A callable instance with state: each new one starts at zero."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self):
+        self.n += 1
+        return self.n
+
+
+def collect(acc, x):
+    acc.append(x)
+    return list(acc)
+
+
+def handlers_with_state():
+    out = None
+    if mf.rank() == 0:
+        s = Scaler(2)
+        first = mf.remote_action(1, s.scale, 10).wait()
+        s.k = 3  # the next request carries the handler as it is now
+        second = mf.remote_action(1, s.scale, 10).wait()
+        tallies = [mf.remote_action(1, Tally()).wait() for _ in range(3)]
+        partials = [mf.remote_action(1, functools.partial(collect, []), i).wait()
+                    for i in range(3)]
+        by_numpy_rank = mf.remote_action(np.int64(1), pong).wait()
+        out = (first, second, tallies, partials, by_numpy_rank)
+    mf.barrier()
+    return out
+
+
+def test_a_handler_with_state_is_sent_as_it_is_at_each_request(transport):
+    # call by value for handlers too: a bound method's object changed between
+    # two requests, and fresh callables that pickle alike, are not mixed up
+    res = mf.spmd(handlers_with_state, n=2, transport=transport)[0]
+    assert res == (20, 30, [1, 1, 1], [[0], [1], [2]], 1)
+
+
+def test_a_rank_that_is_not_an_integer_is_a_type_error():
+    def main():
+        errs = []
+        for bad in (1.0, "1", True, None):
+            try:
+                mf.remote_action(bad, pong)
+            except TypeError as e:
+                errs.append(str(e))
+        return errs
+
+    errs = mf.spmd(main, n=2, transport="inproc")[0]
+    assert len(errs) == 4 and all("rank must be an int" in e for e in errs)
+
+
+def dies_while_a_third_polls():
+    # context 1 never speaks to context 2: it learns of the loss from another
+    flag = np.zeros(1)
+    mf.allgather(mf.register(flag))
+    if mf.rank() == 2:
+        os._exit(3)
+    if mf.rank() == 1:
+        while flag[0] == 0.0:
+            mf.poll()
+    return mf.rank()
+
+
+def test_a_context_that_polls_learns_of_a_loss_it_could_not_see(transport):
+    if transport in ("inproc", "mpi"):
+        pytest.skip("one process, or an MPI job: exiting ends every context")
+    with pytest.raises(mf.ContextLost, match="context 2"):
+        mf.spmd(dies_while_a_third_polls, n=3, transport=transport)
 
 
 def polls_for_the_second(gp):

@@ -1307,7 +1307,8 @@ class Engine:
     def _run_held_rsr(self, gid, handler, args, thread: str, target: Any) -> bool:
         # a model's release of a held request; True: it starts a thread later
         if target is _MISSING:
-            self._rsr_dropped(gid, handler)
+            self._rsr_dropped(gid, handler, "its object was never made (its constructor "
+                                            "failed, or never came)")
             return False
         if thread == "new":
             self.spawn(self._run_rsr, gid, handler, target, args)
@@ -1327,12 +1328,12 @@ class Engine:
             self.in_inline = inline
         self.stats.rsr_executed += 1
 
-    def _rsr_dropped(self, gid, handler) -> None:
+    def _rsr_dropped(self, gid, handler,
+                     why: str = "nothing is there (unexported, or its object destroyed)") -> None:
         self.stats.rsr_dropped += 1
         name = getattr(handler, "__qualname__", repr(handler))
         print(f"macroflow: context {self.id}: remote service request {name} for "
-              f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: nothing is there (unexported, "
-              f"or its object destroyed)", file=sys.stderr)
+              f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: {why}", file=sys.stderr)
 
     def _on_rsr_now(self, src: int, msg: tuple) -> None:
         # run as it arrives, by the engine or by the service mechanism while a
@@ -2197,10 +2198,12 @@ def _peek_op(b0) -> int:
     return -1
 
 
-def rsr_frame(op: int, gid: Any, handler: Any, thread: str) -> bytes:
+def rsr_frame(op: int, gid: Any, handler: Any, thread: str, fresh: bool = False) -> bytes:
     """The start of a compact RSR frame to ``gid`` with ``handler``: the same
     for every request of that pair, so a sender keeps it; the arguments'
-    pickle follows it (see :func:`_rsr_msg`).
+    pickle follows it (see :func:`_rsr_msg`). A receiver keeps what it
+    decoded from it, unless ``fresh`` (a handler with state of its own,
+    see :func:`macroflow.core.marshal.stateless`: decoded each time).
 
     Example:
         >>> head = rsr_frame(RSR, ("export", (1, 2)), len, "new")
@@ -2214,21 +2217,22 @@ def rsr_frame(op: int, gid: Any, handler: Any, thread: str) -> bytes:
     if bufs:  # a pointer or handler that pickles a large buffer: not worth a key
         raise ValueError(f"remote service request handler {handler!r} pickles large buffers")
     code = 0 if op == RSR_NOW else _RSR_THREADS.index(thread)
-    return _RHEAD.pack(_R, op, code, 0, len(key)) + key
+    return _RHEAD.pack(_R, op, code, 1 if fresh else 0, len(key)) + key
 
 
 def _rsr_msg(bufs: List[Any]) -> tuple:
     """The message a compact RSR frame carries, as its pickled form would be."""
     b0 = bufs[0]
-    _, op, code, _, n = _RHEAD.unpack_from(b0)
+    _, op, code, fresh, n = _RHEAD.unpack_from(b0)
     end = _RHEAD.size + n
     key = bytes(b0[_RHEAD.size:end])
-    known = _rsr_keys.get(key)
+    known = None if fresh else _rsr_keys.get(key)
     if known is None:
         known = marshal.loads(key)
-        if len(_rsr_keys) >= _RSR_KEYS_MAX:
-            del _rsr_keys[next(iter(_rsr_keys))]
-        _rsr_keys[key] = known
+        if not fresh:
+            if len(_rsr_keys) >= _RSR_KEYS_MAX:
+                del _rsr_keys[next(iter(_rsr_keys))]
+            _rsr_keys[key] = known
     args = marshal.loads_args(memoryview(b0)[end:], bufs[1:]) if len(b0) > end else ()
     if op == RSR_NOW:
         return (RSR_NOW, known[0], known[1], args)

@@ -98,6 +98,33 @@ def _needs_value(obj: Any) -> bool:
     return not ok
 
 
+def stateless(obj: Any) -> bool:
+    """Whether ``obj`` has no state of its own that could change between two
+    uses: a str, a class, a builtin function of a module, or a function
+    without closure cells. A sender may keep such an object's pickle, and a
+    receiver the object it decoded from it; anything else (a bound method,
+    a ``functools.partial``, a callable instance, a closure) must be pickled
+    and unpickled afresh each time, or a change to it would not be seen and
+    two of them that pickle alike would become one.
+
+    Example:
+        >>> import functools, math
+        >>> stateless(len), stateless(math.sqrt), stateless(int), stateless("name")
+        (True, True, True, True)
+        >>> stateless([].append), stateless(functools.partial(len)), stateless(lambda: 1)
+        (False, False, True)
+    """
+    t = type(obj)
+    if t is str or t is type:
+        return True
+    if t is types.FunctionType:
+        return obj.__closure__ is None
+    if t is types.BuiltinFunctionType:
+        owner = obj.__self__
+        return owner is None or type(owner) is types.ModuleType
+    return isinstance(obj, type)
+
+
 def _load_by_value(blob: bytes) -> Any:
     obj = _loaded_cache.get(blob)
     if obj is None:

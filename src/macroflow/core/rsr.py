@@ -166,7 +166,12 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         if eng is None or (eng.computation != gptr.computation and gptr.computation is not None):
             eng = current_engine_of(gptr.computation, "global pointer", gptr)  # raises why
         sent = gptr._sent
-        head = sent[1].get((handler, thread)) if sent is not None and sent[0]() is eng else None
+        head = None
+        if sent is not None and sent[0]() is eng:
+            try:
+                head = sent[1].get((handler, thread))
+            except TypeError:  # an unhashable handler: kept nowhere
+                pass
         if head is None:
             head = _first(eng, gptr, handler, thread)
     else:
@@ -190,7 +195,8 @@ _SENT_MAX = 16  # (handler, thread) pairs kept per pointer; more start afresh
 
 def _first(eng: Any, gptr: GlobalPointer, handler: Callable[..., Any], thread: str) -> bytes:
     """Check a request that this context has not sent to ``gptr`` with
-    ``handler`` before, and return (and keep) the start of its frames."""
+    ``handler`` before, and return the start of its frames (kept for the
+    next request if the handler is stateless)."""
     _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
     if not callable(handler):
         raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
@@ -199,11 +205,17 @@ def _first(eng: Any, gptr: GlobalPointer, handler: Callable[..., Any], thread: s
     if gptr.protocols and not set(mine) & set(gptr.protocol_names()):
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "
                          f"this context speaks {mine}")
+    keep = marshal.stateless(handler)
     try:
-        head = rsr_frame(RSR_NOW if thread == "now" else RSR, gptr.gid, handler, thread)
+        head = rsr_frame(RSR_NOW if thread == "now" else RSR, gptr.gid, handler, thread,
+                         fresh=not keep)
     except marshal.PICKLE_ERRORS as e:
         raise errors.CallError(f"cannot send remote service request "
                                f"{getattr(handler, '__qualname__', handler)}: {e}") from e
+    if not keep:
+        # a handler with state of its own (a bound method, a partial): its
+        # pickle is made each time, so a change to it reaches the target
+        return head
     sent = gptr._sent
     if sent is None or sent[0]() is not eng or len(sent[1]) >= _SENT_MAX:
         sent = gptr._sent = (weakref.ref(eng), {})

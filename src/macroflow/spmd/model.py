@@ -28,6 +28,8 @@ REVOKED       (op, request, ident): the sender unregistered the memory
               with MEMREPLY (served while computing)
 WAKE          (op, run, seq): barrier ``seq`` of the run, in shared memory, is
               complete, and the receiver had said it would sleep
+LOST          (op, run, rank, how): context ``rank`` of the run was lost, as the
+              sender saw (the receiver may have no connection of its own to it)
 ============  ===============================================================
 
 Collectives go up and down a binomial tree rooted at context 0 (the
@@ -55,7 +57,7 @@ from ..core.future import FINISHED, Future
 from ..core.threads import INTERRUPTS, getcurrent
 
 KIND = "spmd"
-GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE = range(20, 29)
+GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE, LOST = range(20, 30)
 _UNKNOWN = object()
 CAUGHT = " (caught): "  # in an ENDED's failure: the function caught it and returned
 CORES = os.cpu_count() or 1  # more contexts than this on the host: oversubscribed
@@ -307,6 +309,9 @@ class Action:
     """A remote action's handler as its request carries it: the remote
     service request's handler, called with the target's SPMD model, the
     handler's arguments and the requester's future id (see :func:`serve_action`).
+    A stateless handler travels inside it, in the request's head that both
+    ends keep; any other (``None`` here) travels with the arguments, pickled
+    and unpickled afresh each time.
 
     Example:
         >>> Action(len) == Action(len), Action("tests.named").handler
@@ -320,8 +325,12 @@ class Action:
 
     def __call__(self, model: "SpmdModel", *args: Any) -> None:
         # the future's id comes last, after the arguments: leading arrays
-        # travel described (see marshal.dumps_args)
-        serve_action(model, args[-2], args[-1], self.handler, args[:-2])
+        # travel described (see marshal.dumps_args); before it, the handler
+        # when the head does not hold it
+        if self.handler is None:
+            serve_action(model, args[-2], args[-1], args[-3], args[:-3])
+        else:
+            serve_action(model, args[-2], args[-1], self.handler, args[:-2])
 
     def __repr__(self) -> str:
         return f"Action({_name(self.handler)})"
@@ -336,40 +345,50 @@ class Action:
         return (Action, (self.handler,))
 
 
-def action_head(handler: Any) -> bytes:
-    """The start of every remote action request with ``handler`` (see
-    :func:`macroflow.core.context.rsr_frame`): the pickled handler is made
-    once here and decoded once by each receiver; the arguments and the
-    requester's future id follow.
+def action_head(handler: Any) -> Tuple[bytes, bool]:
+    """The start of a remote action's request with ``handler`` (see
+    :func:`macroflow.core.context.rsr_frame`), and whether the handler must
+    follow the arguments. A stateless handler (a function, a name: see
+    :func:`macroflow.core.marshal.stateless`) is pickled into the head once
+    here and decoded once by each receiver; any other has state that may
+    change (a bound method's object, a partial's arguments), so it travels
+    with the arguments, each request carrying its current value.
 
     Raises:
         macroflow.CallError: the handler cannot be pickled.
 
     Example:
         >>> from macroflow.core.context import RSR, _peek_op, _rsr_msg
-        >>> _peek_op(action_head(len)) == RSR
+        >>> head, carried = action_head(len)
+        >>> _peek_op(head) == RSR, carried, _rsr_msg([head])[1:3]
+        (True, False, (('action', 0), Action(len)))
+        >>> action_head([].append)[1]
         True
-        >>> _rsr_msg([action_head(len)])[1:3]
-        (('action', 0), Action(len))
     """
-    try:
-        head = _heads.get(handler)
-    except TypeError:  # an unhashable callable: made again each time
-        return _make_head(handler)
+    if not marshal.stateless(handler):
+        return _make_head(None), True
+    head = _heads.get(handler)
     if head is None:
         head = _make_head(handler)
         if len(_heads) >= _HEADS_MAX:
             _heads.clear()
         _heads[handler] = head
-    return head
+    return head, False
 
 
 def _make_head(handler: Any) -> bytes:
+    if handler is None:
+        head = _heads.get(None)
+        if head is not None:
+            return head
     try:
-        return rsr_frame(RSR, ACTION, Action(handler), "new")
+        head = rsr_frame(RSR, ACTION, Action(handler), "new")
     except marshal.PICKLE_ERRORS as e:
         raise errors.CallError(f"cannot send remote action {_name(handler)}: "
                                f"{type(e).__name__}: {e}") from e
+    if handler is None:
+        _heads[None] = head
+    return head
 
 
 def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple) -> None:
@@ -468,13 +487,27 @@ class SpmdModel(Model):
                 del self.requests[req]
                 self.landed.discard(req)
                 f._set(False, exc)
+        how = self.eng.lost.get(peer, "lost")
         for run in self.runs.values():
-            if peer < run.size and run.aborted is None:
-                run.aborted = exc
-            if peer < run.size and run.failed is None:
-                run.failed = exc
-                for c in list(run.colls.values()):
-                    c.fail(exc)
+            if peer >= run.size:
+                continue
+            if run.aborted is None and peer not in run.ended:
+                # the others of the run may never have spoken to it, so their
+                # transports cannot tell: this context does
+                for r in range(run.size):
+                    if r != self.eng.id and r != peer and r not in self.eng.lost:
+                        self.send(r, (LOST, run.ident, peer, how))
+            self.run_lost(run, exc)
+
+    def run_lost(self, run: "Run", exc: BaseException) -> None:
+        """A context of ``run`` was lost: its collectives fail, and so does
+        mf.poll() in this context's function (see SpmdCalls.polled)."""
+        if run.aborted is None:
+            run.aborted = exc
+        if run.failed is None:
+            run.failed = exc
+            for c in list(run.colls.values()):
+                c.fail(exc)
 
     def snapshot(self, d: Dict[str, Any]) -> None:
         d.update(self.counts)
@@ -578,7 +611,7 @@ class SpmdModel(Model):
         self.eng.send_frame(dest, [data, *bufs] if bufs else [data])
 
     def dispatch(self, src: int, msg: tuple) -> None:
-        """A COLL, ENDED or WAKE message of a run: to the run, or kept until it starts here."""
+        """A COLL, ENDED, WAKE or LOST message of a run: to the run, or kept until it starts here."""
         run = self.runs.get(msg[1])
         if run is None:
             early = self.early.setdefault(msg[1], [])
@@ -589,6 +622,8 @@ class SpmdModel(Model):
         if msg[0] == WAKE:
             from .collectives import on_wake
             on_wake(self, run, src, msg)
+        elif msg[0] == LOST:
+            self.run_lost(run, errors.ContextLost(msg[2], msg[3]))
         elif msg[0] == ENDED:
             from .collectives import on_ended
             on_ended(self, run, msg[2], msg[3], msg[4])
@@ -779,6 +814,7 @@ register(MEMREPLY, _serve_memreply, landing=_land_memreply)
 register(COLL, _serve_run_message)
 register(WAKE, _serve_run_message)
 register(ENDED, _serve_run_message)
+register(LOST, _serve_run_message)
 register(STATUS, _serve_status, served_while_busy=True)
 register(STATUS_REPLY, _serve_status_reply)
 register_model(SpmdModel.name, SpmdModel)

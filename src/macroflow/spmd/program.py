@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -206,7 +207,8 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
 
     Raises:
         ValueError: ``rank`` is not a context of the computation.
-        TypeError: ``handler`` is neither callable nor a str.
+        TypeError: ``rank`` is not an integer, or ``handler`` is neither
+            callable nor a str.
         macroflow.CallError: the handler or the arguments cannot be pickled.
 
     Example:
@@ -222,21 +224,30 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
         [(1, 0), (0, 1)]
     """
     eng = current_engine()
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < eng.size:
+    try:
+        if isinstance(rank, bool):
+            raise TypeError
+        rank = operator.index(rank)  # an int, or a numpy integer
+    except TypeError:
+        raise TypeError(f"mf.remote_action(): rank must be an int (a context id); got "
+                        f"{type(rank).__name__} {rank!r}") from None
+    if not 0 <= rank < eng.size:
         raise ValueError(f"mf.remote_action(): rank must be a context in 0..{eng.size - 1}; "
                          f"got {rank!r}")
     if not (callable(handler) or isinstance(handler, str)):
         raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
                         f"registered handler; got {type(handler).__name__}")
-    head = action_head(handler)
+    head, carried = action_head(handler)
     fid = eng.new_fid()
     try:
-        data, bufs = marshal.dumps_args((*args, fid[0], fid[1]))
+        data, bufs = marshal.dumps_args((*args, handler, fid[0], fid[1]) if carried
+                                        else (*args, fid[0], fid[1]))
     except errors.StaleReference:
         raise  # a future of another computation among the arguments: as it is
     except Exception as e:  # a __reduce__ may raise anything
-        raise errors.CallError(f"cannot send the arguments of remote action {_name(handler)}: "
-                               f"{type(e).__name__}: {e}") from e
+        what = (f"remote action {_name(handler)} (the handler or its arguments)" if carried
+                else f"the arguments of remote action {_name(handler)}")
+        raise errors.CallError(f"cannot send {what}: {type(e).__name__}: {e}") from e
     f = Future(eng, fid, rank, None, _ACTION_SITE)
     f._eager = True  # the value comes unasked
     f._escaped = True  # and is kept nowhere: nothing to release at its home
