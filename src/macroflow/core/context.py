@@ -943,6 +943,8 @@ class Engine:
 
     # ------------------------------------------------------------------ results
     def _pickle_value(self, ok: bool, value: Any):
+        if ok and type(value) in _PLAIN:
+            return True, _pdumps(value, 5), []  # the commonest: the C pickler's
         if ok:
             try:
                 data, bufs = _encode(value)

@@ -155,6 +155,8 @@ class ObjectHost(Model):
         # requests held for an object that now lives, or never will; True:
         # one of them started a thread, which should run before its calls
         held, obj.held = obj.held, None
+        if not held:
+            return False
         target = obj.instance if obj.state == "live" else MISSING
         started = False
         for release in held:
@@ -169,8 +171,7 @@ class ObjectHost(Model):
             obj = self.objects.get(oid)
             if obj is not None and obj.state == "new" and obj.create is None:
                 obj.state = "missing"  # its creator is gone before it sent the constructor
-                if obj.held:
-                    self._release(obj)
+                self._release(obj)
                 self._pump(obj)
 
     def snapshot(self, d: Dict[str, Any]) -> None:
@@ -183,8 +184,7 @@ class ObjectHost(Model):
         labels.update(self.orphans)
         for obj in list(self.objects.values()):
             obj.state = "destroyed"
-            if obj.held:
-                self._release(obj)
+            self._release(obj)
         return labels
 
     def take_over(self, cid: int, data: Any) -> None:
@@ -229,8 +229,7 @@ class ObjectHost(Model):
                 self._wait_for_creator(creator, oid)
                 continue
             obj.state = "missing"  # its constructor would have come by now
-            if obj.held:
-                self._release(obj)
+            self._release(obj)
             self._pump(obj)
 
     def _forget_object(self, obj: HostedObject) -> None:
@@ -352,13 +351,12 @@ class ObjectHost(Model):
             except BaseException as e:
                 obj.state, obj.error = "broken", e
                 eng._finish(call, False, e)
-                if obj.held:
-                    self._release(obj)
+                self._release(obj)
                 return False
             obj.instance = inst
             obj.state = "live"
             eng._finish(call, True, None)
-            return self._release(obj) if obj.held else False
+            return self._release(obj)
         if obj.state != "live":
             if obj.state == "broken" and call.method == DESTROY:
                 obj.state = "destroyed"  # an object whose constructor failed can go

@@ -314,8 +314,8 @@ class Action:
     and unpickled afresh each time.
 
     Example:
-        >>> Action(len) == Action(len), Action("tests.named").handler
-        (True, 'tests.named')
+        >>> Action(len), Action("tests.named").handler
+        (Action(len), 'tests.named')
     """
 
     __slots__ = ("handler",)
@@ -334,12 +334,6 @@ class Action:
 
     def __repr__(self) -> str:
         return f"Action({_name(self.handler)})"
-
-    def __eq__(self, other: Any) -> bool:
-        return type(other) is Action and other.handler == self.handler
-
-    def __hash__(self) -> int:
-        return hash(self.handler)
 
     def __reduce__(self) -> Any:
         return (Action, (self.handler,))
@@ -365,30 +359,19 @@ def action_head(handler: Any) -> Tuple[bytes, bool]:
         >>> action_head([].append)[1]
         True
     """
-    if not marshal.stateless(handler):
-        return _make_head(None), True
-    head = _heads.get(handler)
+    carried = not marshal.stateless(handler)
+    key = None if carried else handler  # Action(None): the handler follows the arguments
+    head = _heads.get(key)
     if head is None:
-        head = _make_head(handler)
+        try:
+            head = rsr_frame(RSR, ACTION, Action(key), "new")
+        except marshal.PICKLE_ERRORS as e:
+            raise errors.CallError(f"cannot send remote action {_name(handler)}: "
+                                   f"{type(e).__name__}: {e}") from e
         if len(_heads) >= _HEADS_MAX:
             _heads.clear()
-        _heads[handler] = head
-    return head, False
-
-
-def _make_head(handler: Any) -> bytes:
-    if handler is None:
-        head = _heads.get(None)
-        if head is not None:
-            return head
-    try:
-        head = rsr_frame(RSR, ACTION, Action(handler), "new")
-    except marshal.PICKLE_ERRORS as e:
-        raise errors.CallError(f"cannot send remote action {_name(handler)}: "
-                               f"{type(e).__name__}: {e}") from e
-    if handler is None:
-        _heads[None] = head
-    return head
+        _heads[key] = head
+    return head, carried
 
 
 def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple) -> None:
@@ -420,10 +403,7 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
         ok, value = False, e
     finally:
         w.call = None
-    if ok and type(value) in marshal.PLAIN:
-        eng.send_value(a0, (fid, None), True, pickle.dumps(value, 5), [])
-    else:
-        eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
+    eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
 
 
 def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:
