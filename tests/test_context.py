@@ -675,3 +675,22 @@ def test_a_value_that_fails_to_unpickle_is_unpickled_once(run):
 
     _rebuilt.clear()
     assert run(main, contexts=2) == list(range(10))
+
+
+class _Arg:
+    """An argument whose end a weak reference tells."""
+
+
+def test_a_pooled_worker_keeps_no_reference_to_the_arguments_of_its_tasks():
+    # its first task reaches it as greenlet's start argument, which greenlet
+    # keeps for the worker's life: a large array passed there (a pooled
+    # receive buffer, a slot of a ring's bulk area) would never be freed
+    import weakref
+    from macroflow.core.threads import DONE, Worker
+    w = Worker(engine=None, root=getcurrent())
+    for _ in range(2):  # the first task, then a later one
+        a = _Arg()
+        gone = weakref.ref(a)
+        assert w.switch([lambda x: None, (a,)]) is DONE
+        del a
+        assert gone() is None

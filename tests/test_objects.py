@@ -914,19 +914,36 @@ def test_remote_tracebacks_of_constructors_and_guards_start_in_user_code(run):
         assert "macroflow" not in first_frame and "test_objects.py" in first_frame, first_frame
 
 
-def test_large_receive_buffers_are_reused_once_dropped():
-    def main():
-        b = Box.create(on=1)
-        a = np.ones(4 * 2**20, dtype=np.uint8)
-        for _ in range(6):  # the argument is dropped after each call
-            assert b.consume(a).result() == a.nbytes
-        for _ in range(6):  # the object keeps these: their buffers stay taken
-            b.put(a).result()
-        return mf.stats()[1]
+def _consume_then_keep():
+    b = Box.create(on=1)
+    a = np.ones(4 * 2**20, dtype=np.uint8)
+    for _ in range(6):  # the argument is dropped after each call
+        assert b.consume(a).result() == a.nbytes
+    for _ in range(6):  # the object keeps these: their buffers stay taken
+        b.put(a).result()
+    return mf.stats()
 
-    st = mf.run(main, contexts=2, transport="local")
+
+@pytest.mark.timeout(60)
+def test_large_receive_buffers_are_reused_once_dropped(monkeypatch):
+    # without rings: the socket's receive buffers, from the transport's pool
+    monkeypatch.setenv("MACROFLOW_RINGS", "0")
+    st = mf.run(_consume_then_keep, contexts=2, transport="local")[1]
     assert st["buffers_reused"] >= 4
     assert st["buffer_pool_bytes"] <= 64 * 2**20
+    assert st["bulk_received"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_large_arguments_cross_by_the_bulk_area_and_kept_ones_hold_their_slots():
+    # with rings (the default): each array is copied once into the ring's bulk
+    # area, the receiver's array is made on it, and its slot comes back when
+    # the array goes
+    st = mf.run(_consume_then_keep, contexts=2, transport="local")
+    # (the first call may go by the socket: the rings are set up as it goes)
+    assert st[0]["bulk_sent"] == st[1]["bulk_received"] >= 11
+    assert st[1]["bulk_buffers_held"] == 6  # the object keeps six; the first ones came back
+    assert st[1]["buffers_reused"] == 0 and st[1]["buffer_pool_bytes"] <= 4 * 2**20
 
 
 @mf.persistent

@@ -28,11 +28,11 @@ pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(ring.problem() is not None, reason="no rings on this CPU")]
 
 
-def _self_ring(name, ring_bytes=M.RING_BYTES):
+def _self_ring(name, ring_bytes=M.RING_BYTES, bulk_bytes=M.BULK_BYTES):
     """A transport on COMM_SELF that writes to itself through a ring: the rank
     stands in for a peer of its own host (as in test_transport_mpi)."""
     t = M.MpiTransport(M.mpi().COMM_SELF.Dup(), wake=(name, {0: "here"}), rings=True,
-                       ring_bytes=ring_bytes)
+                       ring_bytes=ring_bytes, bulk_bytes=bulk_bytes)
     got = []
     t.attach(lambda src, bufs, load: got.append(([bytes(memoryview(b).cast("B")) for b in bufs],
                                                  load)),
@@ -58,8 +58,10 @@ def _frames(count, seed=0):
     return out
 
 
-def test_frames_of_mixed_sizes_keep_their_order_through_ring_and_mpi():
-    t, got = _self_ring(f"mixed-{os.getpid()}", ring_bytes=1 << 16)
+@pytest.mark.parametrize("bulk", [M.BULK_BYTES, 0], ids=["bulk", "no-bulk"])
+def test_frames_of_mixed_sizes_keep_their_order_through_ring_and_mpi(bulk):
+    # the large ones by the ring's bulk area, or by MPI when there is none
+    t, got = _self_ring(f"mixed-{os.getpid()}", ring_bytes=1 << 16, bulk_bytes=bulk)
     try:
         frames = _frames(300)
         for i, parts in enumerate(frames):
@@ -73,7 +75,11 @@ def test_frames_of_mixed_sizes_keep_their_order_through_ring_and_mpi():
         assert [g[1] for g in got] == list(range(len(frames)))
         assert [g[0] for g in got] == frames
         big = sum(1 for f in frames if len(f) == 2)
-        assert t.ring_got == t.ring_sent == len(frames) - big  # the others went by MPI
+        if bulk:
+            assert t.ring_got == t.ring_sent == len(frames)
+            assert t.rout[0].bulk.sent == big and t.rin[0].bulk.taken == big
+        else:
+            assert t.ring_got == t.ring_sent == len(frames) - big  # the others went by MPI
     finally:
         t.close()
 

@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 
+import numpy as np
 import pytest
 
 import macroflow as mf
@@ -21,11 +22,11 @@ pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(ring.problem() is not None, reason="no rings on this CPU")]
 
 
-def _pair(ring_bytes=local.RING_BYTES):
+def _pair(ring_bytes=local.RING_BYTES, bulk_bytes=local.BULK_BYTES):
     """Two transports in this process whose rings are in use both ways."""
     a, b = socket.socketpair()
-    ta = LocalTransport(0, {1: a}, rings=True, ring_bytes=ring_bytes)
-    tb = LocalTransport(1, {0: b}, rings=True, ring_bytes=ring_bytes)
+    ta = LocalTransport(0, {1: a}, rings=True, ring_bytes=ring_bytes, bulk_bytes=bulk_bytes)
+    tb = LocalTransport(1, {0: b}, rings=True, ring_bytes=ring_bytes, bulk_bytes=bulk_bytes)
     got_a, got_b = [], []
     ta.attach(lambda src, bufs, load: got_a.append((src, [bytes(x) for x in bufs], load)),
               lambda p, h: got_a.append(("lost", p, h)))
@@ -94,9 +95,11 @@ def test_small_frames_take_the_ring_and_make_no_socket_write(monkeypatch):
         tb.close()
 
 
+@pytest.mark.parametrize("bulk", [local.BULK_BYTES, 0], ids=["bulk", "no-bulk"])
 def test_frames_of_buffers_up_to_the_ring_limit_take_the_ring_and_one_over_takes_the_socket(
-        monkeypatch):
-    ta, tb, _, got_b = _pair()
+        monkeypatch, bulk):
+    # (or the bulk area beside the ring, when there is one)
+    ta, tb, _, got_b = _pair(bulk_bytes=bulk)
     try:
         socket_frames = []
         sock_send = ta._sock_send
@@ -117,7 +120,12 @@ def test_frames_of_buffers_up_to_the_ring_limit_take_the_ring_and_one_over_takes
         ta.send(1, over, 9)
         while len(got_b) < len(sent) + 1:
             tb.poll(1.0)
-        assert socket_frames == [2] and got_b[-1][1] == over
+        assert got_b[-1][1] == over
+        if bulk:
+            assert socket_frames == [] and ta.conns[1].rout.bulk.sent == 1
+            assert tb.rins[0].rin.bulk.taken == 1
+        else:
+            assert socket_frames == [2] and ta.conns[1].rout.bulk is None
     finally:
         ta.close()
         tb.close()
@@ -146,8 +154,10 @@ def test_frames_of_many_buffers_wrap_a_small_ring_in_order():
         tb.close()
 
 
-def test_large_and_many_buffer_frames_keep_their_place_among_ring_frames():
-    ta, tb, _, got_b = _pair(ring_bytes=1 << 16)
+@pytest.mark.parametrize("bulk", [1 << 20, 0], ids=["bulk", "no-bulk"])
+def test_large_and_many_buffer_frames_keep_their_place_among_ring_frames(bulk):
+    # large: by the bulk area while it has room (1 MiB: not for all), else the socket
+    ta, tb, _, got_b = _pair(ring_bytes=1 << 16, bulk_bytes=bulk)
     try:
         sent = []
         for i in range(120):
@@ -467,3 +477,141 @@ def test_the_rings_of_a_lost_peer_are_unmapped_and_their_pages_given_back():
         ta.close()
         tb.close()
     assert _ring_maps() == before
+
+
+# -- the bulk area beside each ring ----------------------------------------------
+
+def _hold(t):
+    """Make ``t`` keep the buffers it is handed as they are (not copied)."""
+    held = []
+    t.attach(lambda src, bufs, load: held.append((load, bufs)), lambda p, h: held.append(h))
+    return held
+
+
+def test_large_buffers_held_by_the_receiver_stay_whole_and_when_the_area_is_full_go_by_socket(
+        monkeypatch):
+    ta, tb, _, _ = _pair(bulk_bytes=1 << 20)
+    held = _hold(tb)
+    try:
+        socket_frames = []
+        sock_send = ta._sock_send
+        monkeypatch.setattr(ta, "_sock_send", lambda c, dest, parts, load: socket_frames.append(
+            load) or sock_send(c, dest, parts, load))
+        n = 300_000  # three fit in 1 MiB of slots
+        sent = [bytes([i]) * n for i in range(6)]
+        for i, data in enumerate(sent):
+            ta.send(1, [b"head%d" % i, data], i)
+        while len(held) < len(sent):
+            tb.poll(1.0)
+        out = ta.conns[1].rout.bulk
+        assert out.sent == 3 and socket_frames == [3, 4, 5]
+        assert [load for load, _ in held] == list(range(6))
+        # what came by the area is made on it, not copied: the sender's next
+        # frames did not touch it while it was held
+        assert [bytes(b[1]) for _, b in held] == sent
+        assert [type(b[1]).__name__ for _, b in held[:3]] == ["ndarray"] * 3
+        area = tb.rins[0].rin.bulk
+        assert area.live == 3 and area.taken == 3
+        del held[:1]  # one slot is given back: the next large frame takes it
+        assert area.live == 2
+        ta.send(1, [b"again", b"x" * n], 6)
+        while len(held) < 6:
+            tb.poll(1.0)
+        assert out.sent == 4 and socket_frames == [3, 4, 5]
+        assert bytes(held[-1][1][1]) == b"x" * n and bytes(held[0][1][1]) == sent[1]
+    finally:
+        ta.close()
+        tb.close()
+
+
+def test_an_array_on_the_bulk_area_outlives_the_transport_and_its_mapping_goes_with_it():
+    before = _ring_maps()
+    ta, tb, _, _ = _pair()
+    held = _hold(tb)
+    try:
+        ta.send(1, [b"h", os.urandom(10)[:1] * 500_000], 0)
+        while not held:
+            tb.poll(1.0)
+        arr = held.pop()[1][1]
+        first = bytes(arr[:10])
+    finally:
+        ta.close()
+        tb.close()
+    arr[:10] = 7  # still mapped, and writable
+    assert bytes(arr[10:20]) == first and arr.sum() == 7 * 10 + (500_000 - 10) * first[0]
+    assert _ring_maps() - before == 1  # the area alone
+    del arr
+    assert _ring_maps() == before
+
+
+def test_a_bulk_area_refuses_a_descriptor_outside_it_and_a_ring_without_one_a_bulk_entry():
+    h = ring.RingHost()
+    try:
+        r = h.ring(4096, bulk=1 << 16)
+        with pytest.raises(ValueError, match="no bulk buffer of 4096 bytes at 65000"):
+            r.bulk.take(0, 65_000, 4096)
+        with pytest.raises(ValueError, match="slot 64"):
+            r.bulk.take(ring.BULK_SLOTS, 0, 16)
+        with pytest.raises(ValueError, match="multiple of"):
+            h.ring(4096, bulk=1000)
+        plain = h.ring(4096)
+        w = Ring.open(os.getpid(), h.fd, plain.offset, 4096, ident=1)
+        assert w.bulk is None and w.bulk_body([memoryview(b"h"), memoryview(b"x" * 9000)], 0,
+                                              1, 4096) is None
+        w.put(ring._FRAME.pack(2, 0) + ring.BULK_DESC.pack(0, 0, 0, 8), 0, ring.BULK)
+        with pytest.raises(ValueError, match="without a bulk area"):
+            plain.read_bulk(ring.DATA)
+        w.close()
+    finally:
+        h.close()
+
+
+def test_the_bulk_writer_uses_the_smallest_free_slot_and_carves_anew_once_all_are_back():
+    h = ring.RingHost()
+    try:
+        r = h.ring(4096, bulk=1 << 20)
+        writer = Ring.open(os.getpid(), h.fd, r.offset, 4096, ident=1)
+        w = writer.bulk
+        a, b = w.claim(500_000), w.claim(100_000)
+        assert (a, b) == (0, 1) and w.claim(500_000) == -1  # no room left for another
+        r.bulk.back[a] += 1
+        assert w.claim(50_000) == a  # the only free one (too big, but it fits)
+        r.bulk.back[a] += 1
+        r.bulk.back[b] += 1
+        assert w.claim(50_000) == b  # the smallest free one that fits
+        r.bulk.back[b] += 1
+        assert w.claim(900_000) == 0 and w.slots == [[0, 901_120]]  # all back: carved anew
+        writer.close()
+    finally:
+        h.close()
+
+
+@mf.persistent
+class _Big:
+    def make(self, n, v):
+        return np.full(n, v)
+
+    def total(self, a):
+        return float(a.sum())
+
+    def bulk(self):
+        t = current_engine().transport
+        return sum(c.rout.bulk.sent for c in t.conns.values()
+                   if c.rout is not None and c.rout.bulk is not None)
+
+
+def _big_both_ways():
+    b = _Big.create(on=1)
+    arrs = [b.make(1 << 19, float(i)).result() for i in range(4)]  # 4 MiB each, kept
+    sums = [b.total(a).result() for a in arrs]
+    return arrs, sums, b.bulk().result()
+
+
+@pytest.mark.timeout(120)
+def test_large_arrays_cross_by_the_bulk_area_and_a_kept_result_outlives_the_computation():
+    arrs, sums, bulk = mf.run(_big_both_ways, contexts=2, transport="local")
+    assert bulk == 4
+    assert sums == [float(i) * (1 << 19) for i in range(4)]
+    assert [float(a[-1]) for a in arrs] == [0.0, 1.0, 2.0, 3.0]
+    arrs[0][:] = 5.0  # the session is closed; the arrays are still the user's
+    assert float(arrs[0].sum()) == 5.0 * (1 << 19)

@@ -779,9 +779,10 @@ class Engine:
             # from a worker (a thread's handler that opened a guard, say): the
             # new thread's end and its waits switch to the root, not back
             # here, so it starts from the engine's next step instead
-            Waiter(self, g).wake((fn, args))
+            Waiter(self, g).wake([fn, args])
             return
-        if g.switch((fn, args)) is DONE:
+        # a list, which the worker empties: see Worker._loop
+        if g.switch([fn, args]) is DONE:
             pool.put(g)
 
     # ------------------------------------------------------------------ dispatch
@@ -1703,6 +1704,9 @@ class Engine:
         pool = getattr(self.transport, "pool", None)
         if pool is not None:
             d.update(buffers_reused=pool.reused, buffer_pool_bytes=pool.held)
+        bulk = getattr(self.transport, "bulk_counts", None)
+        if bulk is not None:
+            d.update(bulk())
         counters = getattr(self.transport, "counters", None)
         st = self.stats
         # messages and bytes per protocol: one protocol carries everything unless

@@ -38,7 +38,7 @@ PARKED = object()  # a worker is waiting and will be resumed by a Waiter
 class Worker(greenlet.greenlet):
     """A pooled greenlet bound to one engine (context).
 
-    Switching to it with a task ``(fn, args)`` runs ``fn(*args)``; when the
+    Switching to it with a task ``[fn, args]`` (or a tuple) runs ``fn(*args)``; when the
     task ends the worker switches back to its root with :data:`DONE` and
     waits there for its next task, so one greenlet serves many calls. The
     engine does this in ``Engine.spawn``.
@@ -61,10 +61,15 @@ class Worker(greenlet.greenlet):
         super().__init__(run=self._loop, parent=root)
         self.engine = engine
 
-    def _loop(self, task: Tuple[Callable[..., Any], tuple]) -> None:
+    def _loop(self, task: Any) -> None:
         root = self.parent
         while True:
             fn, args = task
+            if type(task) is list:
+                # the first task reached _loop as greenlet's argument, which
+                # stays referenced for as long as the worker lives: empty it,
+                # or its arguments (a large array) would never be freed
+                task.clear()
             try:
                 fn(*args)
             except INTERRUPTS:
@@ -72,6 +77,10 @@ class Worker(greenlet.greenlet):
             except BaseException as e:  # the engine's own bug: report, keep serving
                 self.engine.internal_error(self.call, e)
             self.call = None
+            # a parked worker must not keep its last task's arguments alive
+            # (a large array received in a pooled buffer or a bulk slot would
+            # stay taken until the worker's next task)
+            task = fn = args = None
             task = root.switch(DONE)
 
 

@@ -132,6 +132,9 @@ CONTROL = 0xFFFFFFFF
 CREDIT, BYE, ACK, GROW, OFFER, SWITCH = 1, 2, 3, 4, 5, 6
 RING_BYTES = 1 << 20  # a shared-memory ring, one direction between two ranks of one host
 RING_FRAME_MAX = 64 * 1024  # larger frames travel by MPI (a MARK in the ring)
+# or, when their large buffers fit, by the ring's bulk area (see ring.py)
+BULK_BYTES = 64 << 20
+BULK_MIN = 32 * 1024
 # an OFFER: the reader's pid, its RingHost's fd, the ring's offset, bytes, and a
 # number it wrote in the ring (word _NONCE), which tells the writer it mapped
 # that very ring (a pid means another process in another pid namespace)
@@ -463,7 +466,7 @@ class MpiTransport(Transport):
     def __init__(self, comm: Any, spin_us: float = 0.0, release: Sequence[Any] = (),
                  wake: Optional[Tuple[str, Mapping[int, str]]] = None,
                  members: Optional[Sequence[int]] = None, window: bool = False,
-                 rings: bool = False, ring_bytes: int = RING_BYTES):
+                 rings: bool = False, ring_bytes: int = RING_BYTES, bulk_bytes: int = BULK_BYTES):
         super().__init__()
         MPI = mpi()
         self.MPI = MPI
@@ -534,6 +537,7 @@ class MpiTransport(Transport):
         # us (mapped, written from our next send), the one we write to
         self.rings = bool(rings) and _ring.problem() is None and hasattr(os, "memfd_create")
         self.ring_bytes = ring_bytes
+        self.bulk_bytes = bulk_bytes
         self.rmax = min(RING_FRAME_MAX, (ring_bytes >> 1) - 16)  # see _switch
         self.host: Optional[_ring.RingHost] = None  # the rings we read (made at the first offer)
         self.bell_seen = 0  # the host's BELL when we last looked at the rings
@@ -549,6 +553,7 @@ class MpiTransport(Transport):
         self.mapped: List[_ring.Ring] = []  # the peers' rings we write to
         self.dead: List[_ring.Ring] = []  # rings of peers that left, unmapped at the next poll
         self.lost_later: Dict[int, str] = {}  # peers that left, reported once their frames are in
+        self.bulk_sent = self.bulk_got = 0  # frames with buffers in a bulk area
         self.ring_sent = 0  # frames written to rings
         self.ring_got = 0  # frames read from rings
         self.ring_waits = 0  # sends that found a ring full
@@ -847,6 +852,13 @@ class MpiTransport(Transport):
         self._post(dest, _REC.pack(CONTROL, kind) + _CREDIT.pack(0, 0), counted=False)
 
     # -- shared-memory rings ---------------------------------------------------
+    def bulk_counts(self) -> Dict[str, int]:
+        """Frames sent and received with buffers in a ring's bulk area, and
+        the buffers received so that are still in use here."""
+        held = sum(r.bulk.live for _, r in self.rins if r.bulk is not None)
+        return {"bulk_sent": self.bulk_sent, "bulk_received": self.bulk_got,
+                "bulk_buffers_held": held}
+
     def _offer_rings(self) -> None:
         """Offer a ring to every peer of this host not offered one yet."""
         if not self.rings:
@@ -860,7 +872,7 @@ class MpiTransport(Transport):
         try:
             if self.host is None:
                 self.host = _ring.RingHost()
-            r = self.host.ring(self.ring_bytes)
+            r = self.host.ring(self.ring_bytes, bulk=self.bulk_bytes)
         except OSError:
             return  # no memfd here (or no memory): MPI alone
         nonce = int.from_bytes(os.urandom(7), "little") + 1
@@ -914,6 +926,18 @@ class MpiTransport(Transport):
         else:
             rec = _record(parts, load)
             if rec is None or len(rec) > self.rmax:
+                if r.bulk is not None:
+                    views = [_view(p) for p in parts]
+                    if max(v.nbytes for v in views) >= BULK_MIN:
+                        body = r.bulk_body(views, load, BULK_MIN, self.rmax)
+                        if body is not None:  # its large buffers are in the bulk area
+                            self.bulk_sent += 1
+                            if not r.put(body, 0, _ring.BULK):
+                                self._wait_ring(dest, r, body, 0, _ring.BULK)
+                            self.ring_sent += 1
+                            if now:
+                                self._wake_ring(dest, r)
+                            return 16 + len(body) + sum(v.nbytes for v in views)
                 # large: it travels by MPI, and a MARK in the ring keeps its place
                 if not r.put(b"", 0, _ring.MARK):
                     self._wait_ring(dest, r, b"", 0, _ring.MARK)
@@ -1005,6 +1029,15 @@ class MpiTransport(Transport):
                         head += 8
                         r.pos = head
                         got = self._hand_frame(p, f) or got
+                    elif n == _ring.BULK:
+                        landing = self.landing
+                        bufs, fload = r.read_bulk(base, None if landing is None else (
+                            lambda head, k: landing(p, head, k)))  # type: ignore[misc]
+                        self.bulk_got += 1
+                        head += 8 + ((load + 7) & -8)  # load: the entry's length here
+                        r.pos = head
+                        self.ring_got += 1
+                        got = self._hand(p, bufs, fload) or got
                     else:  # MANY: a frame of several buffers, as one MPI record
                         nb, fload = _REC.unpack_from(mm, base + 8)
                         lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)

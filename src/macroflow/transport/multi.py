@@ -296,6 +296,16 @@ class MultiTransport(Transport):
         """Messages and bytes sent and received, per protocol."""
         return {name: dict(c) for name, c in self.counts.items()}
 
+    def bulk_counts(self) -> Dict[str, int]:
+        """The bulk-area counts of the protocols that have them, added up."""
+        out = {"bulk_sent": 0, "bulk_received": 0, "bulk_buffers_held": 0}
+        for m in self.modules:
+            counts = getattr(m, "bulk_counts", None)
+            if counts is not None:
+                for k, v in counts().items():
+                    out[k] += v
+        return out
+
 
 def _reaches_all(_address: str) -> bool:
     return True

@@ -26,7 +26,21 @@ MARK    the next frame of this direction travels on the socket
 MANY    a frame of several buffers, as LocalTransport frames them on a
         socket (``<II`` count and load, one ``<Q`` length each, the
         buffers), the second word its length
+BULK    a frame of several buffers, some in the ring's bulk area: ``<II``
+        count and load, one ``<iIQQ`` descriptor each (slot or -1 when
+        the buffer follows inline, 0, offset in the area, length), then
+        the inline buffers; the second word its length
 ======  ============================================================
+
+A ring may have a **bulk area** beside it (``RingHost.ring(cap, bulk=...)``;
+its size is in the ring's word ``BULK_WORD``, so the writer finds it when it
+maps the ring): room for the large buffers of frames, which then cross with
+one copy instead of two. The writer copies such a buffer into a slot of the
+area and writes a BULK entry (descriptors of the frame's buffers, and the
+small ones inline) in the ring; the reader hands on a numpy array made on
+the slot itself, without a copy, and the slot is the writer's again once
+nothing refers to that array any more. See :class:`BulkIn` and
+:class:`BulkOut`.
 
 Memory order: positions are aligned 8-byte words stored with one
 instruction, so on a CPU with total store order (x86-64) the entry's bytes
@@ -56,7 +70,9 @@ import os
 import platform
 import struct
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 BELL, NAP = 0, 16  # word indexes in a host's first page: 128 bytes apart
 HEAD, TAIL = 0, 16  # word indexes at a ring's start
@@ -64,7 +80,11 @@ DATA = 256  # where a ring's entries start
 PAGE = mmap.PAGESIZE
 IDENT_SHIFT = 44  # a writer's BELL values: (its id + 1) << IDENT_SHIFT, plus its TAIL
 ENTRY = struct.Struct("<iI")  # length or kind, load (MANY: length)
-WRAP, MARK, MANY = -1, -2, -3
+WRAP, MARK, MANY, BULK = -1, -2, -3, -4
+BULK_WORD = 24  # word of a ring's first line: the size of its bulk area (0: none)
+BULK_SLOTS = 64  # buffers that may be out in one bulk area at once
+BULK_DESC = struct.Struct("<iIQQ")  # slot (-1: inline), 0, offset in the area, length
+_FRAME = struct.Struct("<II")  # a frame's number of buffers and load
 #: CPUs with total store order, where rings (and ShmBarrier) need no fence but at the
 #: sleep hand-shake
 TSO_MACHINES = {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
@@ -187,13 +207,34 @@ class RingHost:
         self.size = PAGE
         self.rings: List["Ring"] = []
 
-    def ring(self, cap: int) -> "Ring":
-        """A new ring of ``cap`` bytes (a power of two >= 64), to read."""
+    def ring(self, cap: int, bulk: int = 0) -> "Ring":
+        """A new ring of ``cap`` bytes (a power of two >= 64), to read, with
+        a bulk area of ``bulk`` bytes (a multiple of the page size; 0: none)
+        beside it. The file grows by that much, but pages take memory only
+        once written.
+
+        Example:
+            >>> h = RingHost()
+            >>> r = h.ring(4096, bulk=1 << 20)
+            >>> r.bulk.size, r.words[BULK_WORD]
+            (1048576, 1048576)
+            >>> h.close()
+        """
         _check_cap(cap)
+        if bulk < 0 or bulk % PAGE:
+            raise ValueError(f"a bulk area is a multiple of {PAGE} bytes, not {bulk}")
         region = -(-(DATA + cap) // PAGE) * PAGE
-        os.ftruncate(self.fd, self.size + region)
+        area = PAGE + bulk if bulk else 0
+        os.ftruncate(self.fd, self.size + region + area)
         r = Ring(_Map(self.fd, DATA + cap, self.size), cap, self, self.size)
-        self.size += region
+        if bulk:
+            try:
+                r.bulk = BulkIn(_Map(self.fd, area, self.size + region), bulk)
+            except BaseException:
+                r.close()
+                raise
+            r.words[BULK_WORD] = bulk
+        self.size += region + area
         self.rings.append(r)
         return r
 
@@ -204,7 +245,7 @@ class RingHost:
         could only write where nobody reads."""
         if r.words is not None:
             _libc.madvise(r.map.addr, r.map.size, mmap.MADV_REMOVE)
-        r.close()
+        r.close(remove=True)
         if r in self.rings:
             self.rings.remove(r)
 
@@ -247,7 +288,7 @@ class Ring:
     """
 
     __slots__ = ("map", "mm", "mv", "words", "bell", "host", "cap", "mask", "pos", "seen",
-                 "offset", "ident", "owns_host", "__weakref__")
+                 "offset", "ident", "owns_host", "bulk", "__weakref__")
 
     def __init__(self, mapping: _Map, cap: int, host: Any, offset: int, ident: int = 0):
         _check_cap(cap)
@@ -264,6 +305,9 @@ class Ring:
         self.offset = offset
         self.ident = ident << IDENT_SHIFT
         self.owns_host = False
+        # the bulk area beside the ring: a BulkIn for its reader, a BulkOut
+        # for its writer, None when the ring has none
+        self.bulk: Any = None
 
     @classmethod
     def create(cls, cap: int) -> "Ring":
@@ -282,18 +326,29 @@ class Ring:
         if ident < 1 or offset < PAGE or offset % PAGE:
             raise ValueError(f"no ring at offset {offset} (ident {ident})")
         f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        maps: List[_Map] = []
         try:
-            if os.fstat(f).st_size < offset + DATA + cap:
+            size = os.fstat(f).st_size
+            if size < offset + DATA + cap:
                 raise OSError(f"ring {pid}/{fd}@{offset} is smaller than {cap} bytes")
-            page = _Page(_Map(f, PAGE))
-            try:
-                mapping = _Map(f, DATA + cap, offset)
-            except OSError:
-                page.map.close()
-                raise
+            maps.append(_Map(f, PAGE))
+            maps.append(_Map(f, DATA + cap, offset))
+            bulk = maps[1].words()[BULK_WORD]
+            if bulk:
+                at = offset + -(-(DATA + cap) // PAGE) * PAGE
+                if bulk < 0 or bulk % PAGE or size < at + PAGE + bulk:
+                    raise OSError(f"ring {pid}/{fd}@{offset}: no bulk area of {bulk} bytes")
+                maps.append(_Map(f, PAGE + bulk, at))
+        except BaseException:
+            for m in maps:
+                m.close()
+            raise
         finally:
             os.close(f)
-        return cls(mapping, cap, page, offset, ident)
+        r = cls(maps[1], cap, _Page(maps[0]), offset, ident)
+        if bulk:
+            r.bulk = BulkOut(maps[2], bulk)
+        return r
 
     def room(self, need: int) -> bool:
         """Whether ``need`` bytes of entries fit now, a WRAP included."""
@@ -322,7 +377,7 @@ class Ring:
         if n:
             self.mv[base + 8:base + 8 + n] = data
         if kind:
-            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY else load)
+            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY or kind == BULK else load)
         else:
             ENTRY.pack_into(self.mm, base, n, load)
         self._publish(n)
@@ -405,13 +460,103 @@ class Ring:
         """Whether entries wait to be read (reader)."""
         return self.words[TAIL] != self.pos
 
-    def close(self) -> None:
+    def bulk_body(self, views: Sequence[memoryview], load: int, least: int,
+                  most: int) -> Optional[bytes]:
+        """Writer: copy every buffer but the first of ``views`` (the buffers,
+        as bytes, of a frame with ``load``) of ``least`` bytes or more into a free slot of
+        the bulk area, and return the body of the BULK entry that stands for
+        the frame (put it with ``put(body, 0, BULK)``), or None if none went
+        there (no area, no room) or the body would be over ``most`` bytes;
+        nothing is claimed then.
+
+        Example:
+            >>> r = RingHost().ring(4096, bulk=1 << 20); r.owns_host = True
+            >>> w = Ring.open(os.getpid(), r.host.fd, r.offset, 4096, ident=1)
+            >>> big = memoryview(bytes(range(256)) * 400)
+            >>> w.put(w.bulk_body([memoryview(b"head"), big], 5, 4096, 2048), 0, BULK)
+            True
+            >>> bufs, load = r.read_bulk(DATA)  # the entry, where the reader finds it
+            >>> bytes(bufs[0]), load, bufs[1].nbytes, bufs[1][:3].tolist(), r.bulk.live
+            (b'head', 5, 102400, [0, 1, 2], 1)
+            >>> del bufs; r.bulk.live
+            0
+            >>> w.close(); r.close()
+        """
+        b = self.bulk
+        if b is None:
+            return None
+        slots = []
+        inline = 0
+        for i, v in enumerate(views):
+            n = v.nbytes
+            k = b.claim(n) if i and n >= least else -1
+            if k < 0:
+                inline += n
+            slots.append(k)
+        if len(slots) == slots.count(-1):
+            return None
+        if _FRAME.size + BULK_DESC.size * len(views) + inline > most:
+            for k in slots:
+                if k >= 0:
+                    b.given[k] -= 1
+            return None
+        parts = [_FRAME.pack(len(views), load)]
+        rest = []
+        mv = b.mv
+        for k, v in zip(slots, views):
+            n = v.nbytes
+            if k < 0:
+                parts.append(BULK_DESC.pack(-1, 0, 0, n))
+                rest.append(v)
+            else:
+                off = b.slots[k][0]
+                mv[off:off + n] = v
+                parts.append(BULK_DESC.pack(k, 0, off, n))
+        b.sent += 1
+        return b"".join(parts + rest)
+
+    def read_bulk(self, base: int,
+                  landing: Optional[Callable[[Any, int], Any]] = None) -> Tuple[List[Any], int]:
+        """Reader: the buffers and load of the BULK entry at ``base``; the
+        first buffer (and any inline one) as a ``_ring_read`` of a MANY entry
+        gives it, each in the area as a numpy array on the slot itself, or
+        copied into the buffer ``landing(head, nbytes)`` gives for it
+        (a receive posted for it; None: the slot's array), which gives the
+        slot back at once."""
+        mm = self.mm
+        nb, load = _FRAME.unpack_from(mm, base + 8)
+        at = base + 8 + _FRAME.size
+        pos = at + BULK_DESC.size * nb
+        bufs: List[Any] = []
+        for i in range(nb):
+            k, _, off, n = BULK_DESC.unpack_from(mm, at)
+            at += BULK_DESC.size
+            if k < 0:
+                bufs.append(mm[pos:pos + n] if i == 0 else bytearray(self.mv[pos:pos + n]))
+                pos += n
+            elif self.bulk is None:
+                raise ValueError("a BULK entry in a ring without a bulk area")
+            else:
+                posted = landing(bufs[0], n) if landing is not None and bufs else None
+                if posted is None:
+                    bufs.append(self.bulk.take(k, off, n))
+                else:
+                    self.bulk.copy_out(k, off, n, posted)
+                    bufs.append(posted)
+        return bufs, load
+
+    def close(self, remove: bool = False) -> None:
         """Unmap (the bytes already taken out stay valid; the ring may not be
-        used after); a ring made by :meth:`create` closes its host too."""
+        used after); a ring made by :meth:`create` closes its host too. A
+        reader's bulk area stays mapped until no array on it is left
+        (``remove``: its pages are given back then, as ``RingHost.drop``
+        does for the ring)."""
         if self.words is None:
             return
         self.words = self.bell = self.mm = self.mv = None
         self.map.close()
+        if self.bulk is not None:
+            self.bulk.close(remove)
         if isinstance(self.host, _Page):
             self.host.close()
         elif self.owns_host:
@@ -428,3 +573,157 @@ class _Page:
     def close(self) -> None:
         self.words = None
         self.map.close()
+
+
+class BulkIn:
+    """The reader's side of a bulk area: the arrays it hands on are made on
+    the area itself, and a slot goes back to the writer (its count in the
+    area's first page) when the last array on it is gone.
+
+    The area stays mapped until then, even after :meth:`close` (a result
+    the user keeps outlives the computation). ``taken`` counts the buffers
+    handed on; ``live`` those still referred to.
+
+    Example:
+        >>> h = RingHost(); r = h.ring(4096, bulk=1 << 20)
+        >>> a = r.bulk.take(3, 8192, 16); a[:] = 7
+        >>> r.bulk.live, r.bulk.back[3]
+        (1, 0)
+        >>> del a; r.bulk.live, r.bulk.back[3]
+        (0, 1)
+        >>> h.close()
+    """
+
+    __slots__ = ("map", "size", "addr", "back", "live", "taken", "closing", "remove")
+
+    def __init__(self, mapping: _Map, size: int):
+        self.map = mapping
+        self.size = size
+        self.addr = mapping.addr + PAGE
+        self.back: Any = (ctypes.c_int64 * BULK_SLOTS).from_address(mapping.addr)
+        self.live = 0
+        self.taken = 0
+        self.closing = False
+        self.remove = False
+
+    def take(self, k: int, off: int, n: int) -> np.ndarray:
+        """The ``n`` bytes at ``off`` that the writer gave in slot ``k``, as
+        a writable uint8 array on the area (ValueError if out of bounds)."""
+        if not 0 <= k < BULK_SLOTS or off < 0 or n < 1 or off + n > self.size or self.closing:
+            raise ValueError(f"no bulk buffer of {n} bytes at {off} (slot {k}) "
+                             f"in an area of {self.size}")
+        x = _exporter(n).from_address(self.addr + off)
+        x.k = k
+        x.area = self
+        self.live += 1
+        self.taken += 1
+        return np.frombuffer(x, np.uint8)
+
+    def copy_out(self, k: int, off: int, n: int, into: Any) -> None:
+        """Copy the ``n`` bytes at ``off`` that the writer gave in slot ``k``
+        into ``into`` (a writable buffer of ``n`` bytes), and give the slot back."""
+        mv = memoryview(into).cast("B")
+        if not 0 <= k < BULK_SLOTS or off < 0 or off + n > self.size or mv.nbytes != n:
+            raise ValueError(f"no bulk buffer of {n} bytes at {off} (slot {k}) to copy into "
+                             f"{mv.nbytes} bytes")
+        mv[:] = self.map.mv[PAGE + off:PAGE + off + n]
+        self.back[k] += 1
+
+    def release(self, k: int) -> None:
+        """The last reference to a buffer of slot ``k`` is gone."""
+        self.live -= 1
+        if self.map.addr:
+            self.back[k] += 1
+        if self.closing and self.live == 0:
+            self._unmap()
+
+    def close(self, remove: bool = False) -> None:
+        self.closing = True
+        self.remove = self.remove or remove
+        if self.live == 0:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        m = self.map
+        if m.addr:
+            if self.remove:
+                _libc.madvise(m.addr, m.size, mmap.MADV_REMOVE)
+            self.back = None
+            m.close()
+
+
+class BulkOut:
+    """The writer's side of a bulk area: up to :data:`BULK_SLOTS` slots,
+    carved from the area as first needed and used again once the reader
+    has given them back (the smallest free one that fits). ``sent``
+    counts the frames that went with buffers in the area.
+
+    Example:
+        >>> h = RingHost(); r = h.ring(4096, bulk=1 << 20)
+        >>> w = Ring.open(os.getpid(), h.fd, r.offset, 4096, ident=1)
+        >>> k = w.bulk.claim(5000); w.bulk.slots[k], w.bulk.claim(5000) == k
+        ([0, 8192], False)
+        >>> r.bulk.back[k] += 1; w.bulk.claim(4000) == k   # given back: used again
+        True
+        >>> w.close(); h.close()
+    """
+
+    __slots__ = ("map", "size", "mv", "back", "given", "slots", "carve", "sent")
+
+    def __init__(self, mapping: _Map, size: int):
+        self.map = mapping
+        self.size = size
+        self.mv = mapping.mv[PAGE:]
+        self.back: Any = (ctypes.c_int64 * BULK_SLOTS).from_address(mapping.addr)
+        self.given = [0] * BULK_SLOTS  # buffers handed in each slot; free while == back
+        self.slots: List[List[int]] = []  # [offset, bytes] of each slot made
+        self.carve = 0  # where the next slot is made
+        self.sent = 0
+
+    def claim(self, n: int) -> int:
+        """A free slot of ``n`` bytes or more, now given (-1 if none)."""
+        back, given = self.back, self.given
+        best, size = -1, 0
+        for k, (off, m) in enumerate(self.slots):
+            if m >= n and given[k] == back[k] and (best < 0 or m < size):
+                best, size = k, m
+        if best < 0:
+            size = -(-n // PAGE) * PAGE
+            if len(self.slots) >= BULK_SLOTS or self.carve + size > self.size:
+                if size > self.size or any(given[k] != back[k] for k in range(len(self.slots))):
+                    return -1
+                self.slots, self.carve = [], 0  # every slot is back: carve anew
+            best = len(self.slots)
+            self.slots.append([self.carve, size])
+            self.carve += size
+        given[best] += 1
+        return best
+
+    def close(self, remove: bool = False) -> None:
+        if self.map.addr:
+            self.mv.release()
+            self.back = None
+            self.map.close()
+
+
+_exporters: dict = {}  # length -> the class of a bulk buffer of that length
+
+
+def _exporter(n: int) -> Any:
+    """The class of a bulk buffer of ``n`` bytes: a ctypes array (which
+    exports its memory to numpy with no copy) that gives its slot back when
+    it goes. Every array and memoryview made on it refers to it, so it goes
+    with the last of them."""
+    t = _exporters.get(n)
+    if t is None:
+        if len(_exporters) >= 256:
+            _exporters.clear()
+        t = _exporters[n] = type("BulkBuffer", (ctypes.c_ubyte * n,),
+                                 {"__slots__": ("k", "area"), "__del__": _give_back})
+    return t
+
+
+def _give_back(x: Any) -> None:
+    area = getattr(x, "area", None)
+    if area is not None:
+        area.release(x.k)
