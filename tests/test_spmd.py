@@ -1142,3 +1142,76 @@ def test_a_remote_put_into_read_only_memory_says_so():
         return err
 
     assert mf.spmd(main, n=2, transport="inproc")[0] == "mf.put(): the registered buffer is read-only"
+
+
+def repeated_gets():
+    """Gets of one pointer again and again (after the first, by the pointer's
+    remembered mapping where there is one): every check still holds."""
+    mine = mf.shared_empty(4, np.float64)
+    mine[:] = mf.rank()
+    gp = mf.register(mine)
+    ptrs = mf.allgather(gp)
+    mf.barrier()
+    seen, errors = [], []
+    if mf.rank() == 1:
+        g = ptrs[0]
+        out = np.zeros(4)
+        for i in range(3):
+            seen.append(mf.get(g, out=out).wait().tolist())
+            mf.put(g, np.full(4, 10.0 + i)).wait()  # the next get reads what is there now
+        for bad in (np.zeros(3), np.zeros(4, np.float32), np.zeros(8)[::2],
+                    np.zeros(4)[None, :].T.copy()[:, 0][::-1]):
+            try:
+                mf.get(g, out=bad).wait()
+                errors.append("no error")
+            except (TypeError, ValueError) as e:
+                errors.append(type(e).__name__)
+        ro = np.zeros(4)
+        ro.flags.writeable = False
+        try:
+            mf.get(g, out=ro)
+            errors.append("no error")
+        except ValueError as e:
+            errors.append("read-only" if "read-only" in str(e) else str(e))
+    mf.barrier()
+    if mf.rank() == 0:
+        mf.unregister(gp)
+    mf.barrier()
+    if mf.rank() == 1:
+        try:
+            mf.get(ptrs[0], out=np.zeros(4)).wait()
+            errors.append("no error")
+        except ValueError as e:
+            errors.append("unregistered" if "unregistered" in str(e) else str(e))
+    return seen, errors
+
+
+def test_a_pointer_read_again_and_again_keeps_every_check(transport):
+    seen, errors = mf.spmd(repeated_gets, n=2, transport=transport)[1]
+    assert seen == [[0.0] * 4, [10.0] * 4, [11.0] * 4]
+    assert errors == ["ValueError", "TypeError", "ValueError", "ValueError", "read-only",
+                      "unregistered"]
+
+
+def reader_of_dead_owner():
+    mine = mf.shared_empty(1 << 16, np.uint8)
+    gp = mf.register(mine)
+    ptrs = mf.allgather(gp)
+    if mf.rank() == 0:  # (context 0 is this test's process)
+        out = np.empty(1 << 16, np.uint8)
+        for _ in range(3):
+            mf.get(ptrs[1], out=out).wait()
+        mf.barrier()
+        try:
+            while True:  # context 1 is being killed: a get fails, never hangs
+                mf.get(ptrs[1], out=out).wait(timeout=30)
+        except mf.ContextLost:
+            return "lost"
+    mf.barrier()
+    os.kill(os.getpid(), 9)
+
+
+@pytest.mark.timeout(60)
+def test_a_pointer_read_again_fails_once_its_owner_has_died():
+    with pytest.raises(mf.ContextLost):
+        mf.spmd(reader_of_dead_owner, n=2, transport="local")

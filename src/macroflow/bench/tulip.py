@@ -60,6 +60,7 @@ from macroflow.bench import json_problem, progress_printer, suite_main, write_js
 from macroflow.bench.nexus import (_die_with_parent, _median, _us, _x, paired_ratio, size_label,
                                   summarize)
 from macroflow.core.context import current_engine
+from macroflow.spmd import memory
 from macroflow.spmd.model import model_of
 
 #: message sizes of Figure 1, in bytes: 8 B to 1 MiB, by 8, with the paper's 64 KiB
@@ -85,7 +86,8 @@ ROW_TITLES = {"get_shm": "get, shared_empty", "get_vm": "get, numpy (process_vm)
               "two_sided": "two-sided", "copy": "plain copy"}
 TWO_SIDED = {"local": "hand-coded request and reply, AF_UNIX socketpair, forked process",
              "mpi": "mpi4py Send of a request, Ssend/Recv of the data, mpiexec -n 2"}
-PLAIN_COPY = {"local": "np.copyto from a shared mapping, one process",
+PLAIN_COPY = {"local": "np.copyto from the shared_empty memory the get reads, mapped by the "
+                       "getter, while its owner polls",
               "mpi": "MPI_Get (Win.Allocate, Lock_all, Get, Flush), mpiexec -n 2"}
 PAPER = {
     "figure1": "SP2: tulip_Get a small, nearly constant overhead above MPI_Ssend/MPI_Recv "
@@ -275,10 +277,13 @@ class Fetcher:
 
 
 def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool,
-             batch: int = 0) -> Any:
+             batch: int = 0, copy: bool = False) -> Any:
     """Figure 1's SPMD function (2 contexts): context 1 owns the memory and
     polls; context 0 times gets of each size, each kind in a block of its own
-    (after its warm-up), the kinds' order rotating with ``batch``."""
+    (after its warm-up), the kinds' order rotating with ``batch``; with
+    ``copy``, also the plain copy: ``np.copyto`` from the very shared memory
+    the ``shared_empty`` get reads, mapped here, while context 1 polls as
+    it does for the gets."""
     me, cap = mf.rank(), max(sizes)
     flag = np.zeros(1)
     mine = {}
@@ -306,6 +311,9 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool,
     pointers = {"get_shm": gp_shm, "get_vm": gp_vm, "get_win": gp_vm, "get_msg": gp_vm}
     if not gp_vm.region.window or model.window() is None:
         del pointers["get_win"]
+    view = memory.access().view(gp_shm.region) if copy else None
+    if view is not None:
+        pointers["copy"] = gp_shm  # (not a get: see below)
     out = np.empty(cap, np.uint8)
     clock = time.perf_counter_ns
     get = mf.get
@@ -319,6 +327,10 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool,
         # way (a socket, the kernel's copy) leaves the caches to the next one
         # in a state the plain copy it is compared with never sees
         for kind in kinds:
+            if kind == "copy":
+                row[kind] = _copy_block(o, view[:s], warmup, k,  # type: ignore[index]
+                                        _pattern(cap)[:s] if check else None)
+                continue
             g = pointers[kind][:s]
             model.onesided = ROW_PATHS[kind]
             if check:
@@ -342,9 +354,33 @@ def _get_run(sizes: List[int], iters: List[int], warmup: int, check: bool,
     return samples
 
 
+def _copy_block(o: np.ndarray, a: np.ndarray, warmup: int, k: int,
+                expect: Optional[np.ndarray] = None) -> List[int]:
+    """``k`` timed ``np.copyto(o, a)`` after ``warmup`` untimed ones (ns each);
+    ``expect``: what ``o`` must then hold.
+
+    Example:
+        >>> len(_copy_block(np.empty(4, np.uint8), np.arange(4, dtype=np.uint8), 1, 3,
+        ...                 np.arange(4, dtype=np.uint8)))
+        3
+    """
+    clock = time.perf_counter_ns
+    o[:] = 0
+    for _ in range(max(warmup, 1)):
+        np.copyto(o, a)
+    if expect is not None and not np.array_equal(o, expect):
+        raise RuntimeError(f"the plain copy of {size_label(len(a))} read wrong bytes")
+    times = []
+    for _ in range(k):
+        t = clock()
+        np.copyto(o, a)
+        times.append(clock() - t)
+    return times
+
+
 def _get_worker(transport: str, cfg: Config, sizes: Sequence[int]) -> Dict[str, Any]:
-    """Figure 1 on ``transport`` (this process is context 0): the get rows,
-    with (on ``local``) the hand-coded two-sided and plain-copy rows in the
+    """Figure 1 on ``transport`` (this process is context 0): the get rows
+    and (on ``local``) the plain copy, in one SPMD run, and the hand-coded two-sided row in the
     same batches, in a rotating order."""
     from macroflow.bench.nexus import module_problem
     from macroflow.launch import spin_us_setting
@@ -365,7 +401,7 @@ def _get_worker(transport: str, cfg: Config, sizes: Sequence[int]) -> Dict[str, 
         fetcher = None
         if transport == "local":  # forked before the contexts, so it holds none of their sockets
             fetcher = stack.enter_context(Fetcher(cap, spin_us))
-            rows += ["two_sided", "copy"]
+            rows += ["two_sided"]
         try:
             session = mf.init(contexts=2, transport=transport)
         except Exception as e:
@@ -392,31 +428,16 @@ def _get_worker(transport: str, cfg: Config, sizes: Sequence[int]) -> Dict[str, 
                 out.append(batch)
             return out
 
-        def copy(b: int) -> List[List[int]]:
-            out = []
-            for s, k in zip(sizes, iters):
-                o, a = dst[:s], src[:s]
-                for _ in range(cfg.warmup):
-                    np.copyto(o, a)
-                batch = []
-                for _ in range(k):
-                    t = clock()
-                    np.copyto(o, a)
-                    batch.append(clock() - t)
-                out.append(batch)
-            return out
-
         for b in range(cfg.batches):
             order = rows[b % len(rows):] + rows[:b % len(rows)]
             for row in order:
                 if row == "get":
-                    got = mf.spmd(_get_run, sizes, iters, cfg.warmup, b == 0, b)[0]
+                    got = mf.spmd(_get_run, sizes, iters, cfg.warmup, b == 0, b,
+                                  transport == "local")[0]
                     for kind, samples in got.items():
                         per_batch[kind].append(samples)
                 elif row == "two_sided":
                     per_batch["two_sided"].append(two_sided(b))
-                else:
-                    per_batch["copy"].append(copy(b))
     return {"rows": {r: _size_figures(per_batch[r], len(sizes)) for r in GET_ROWS if per_batch[r]},
             "spin_us": spin_us}
 

@@ -466,6 +466,32 @@ class Access:
                 return True
         return self._vm(_vm_read, region, offset, _addressof(_char_at(m)), n)
 
+    def source(self, region: Region, offset: int, n: int) -> Optional[Tuple[np.ndarray, Any]]:
+        """The region's bytes ``[offset, offset + n)`` as a uint8 array on a
+        shared mapping of the owner's memory, and the watch that tells when
+        the owner has gone (``watch.gone()``); None where there is no such
+        mapping (the owner is this process, on another node or gone; the
+        memory is not shared; the range is outside the region): use
+        :meth:`read`, which also says what is wrong.
+
+        Example:
+            >>> a = shared_full(4, 2.5)
+            >>> access().source(describe(a), 0, 8) is None   # this process's own memory
+            True
+        """
+        pid = region.pid
+        if (region.shm is None or pid == self.pid or region.node != self.node
+                or pid in self._no_fd or offset < 0 or offset + n > region.nbytes):
+            return None
+        peer = self._mapped(region)
+        if peer is None or peer is False:
+            return None
+        watch = self._watches.get(pid)
+        if watch is None:
+            return None
+        start = region.shm[1] + offset
+        return peer[start:start + n], watch
+
     def view(self, region: Region) -> Optional[np.ndarray]:
         """The region's bytes as a writable uint8 array in this process, for
         memory that several processes use in place (a barrier's counters):

@@ -65,7 +65,7 @@ class MemoryPointer(GlobalPointer):
         [(10, 3, 2, 'float64', array([2., 3., 4.]))]
     """
 
-    __slots__ = ("dtype", "offset", "length", "region")
+    __slots__ = ("dtype", "offset", "length", "region", "_direct")
 
     def __init__(self, context: int, ident: Any, protocols: Tuple[Tuple[str, str], ...],
                  computation: Optional[str], dtype: Any, offset: int, length: int,
@@ -75,6 +75,10 @@ class MemoryPointer(GlobalPointer):
         self.offset = offset
         self.length = length
         self.region = region
+        # after a get through a shared mapping: (engine, model, the range's
+        # bytes there, the owner's watch), so that the next get of this
+        # pointer is a check and a copy (see get)
+        self._direct: Any = None
 
     def __len__(self) -> int:
         return self.length
@@ -296,6 +300,18 @@ def get(gp: MemoryPointer, out: Optional[np.ndarray] = None) -> Handle:
         >>> mf.spmd(main, n=2, transport="inproc")
         [array([1., 1., 1., 1.]), array([0., 0., 0., 0.])]
     """
+    d = gp._direct if type(gp) is MemoryPointer else None
+    if d is not None and type(out) is np.ndarray:
+        # this pointer's memory was read through a shared mapping before:
+        # the same checks as below, and a copy
+        eng, model, src, watch = d
+        if (out.size == gp.length and (out.dtype is gp.dtype or out.dtype == gp.dtype)
+                and out.flags.c_contiguous and out.flags.writeable and not eng.closed
+                and model.onesided == "direct" and gp.ident not in model.revoked
+                and not watch.gone()):
+            out.reshape(-1).view(np.uint8)[:] = src
+            model.counts["spmd_gets_direct"] += 1
+            return Handle(eng, Done(out), ("get", gp, None))
     eng = _engine(gp, "get")
     dt = gp.dtype
     if out is None:
@@ -419,9 +435,17 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
     if mode is None:
         mode = model.onesided = env_onesided()
     if getting:
-        if mode == "direct" and memory.access().read(gp.region, off, memoryview(mine)):
-            model.counts["spmd_gets_direct"] += 1
-            return Handle(eng, Done(value), what)
+        if mode == "direct":
+            acc = memory.access()
+            src = acc.source(gp.region, off, n)
+            if src is not None:
+                mine[:] = src[0]
+                gp._direct = (eng, model, src[0], src[1])
+                model.counts["spmd_gets_direct"] += 1
+                return Handle(eng, Done(value), what)
+            if acc.read(gp.region, off, memoryview(mine)):
+                model.counts["spmd_gets_direct"] += 1
+                return Handle(eng, Done(value), what)
     elif gp.region.readonly:
         raise ValueError(f"mf.{who}(): the registered buffer is read-only")
     elif mode == "direct" and memory.access().write(gp.region, off, memoryview(mine)):
