@@ -127,9 +127,9 @@ def test_every_bar_is_judged_from_its_ratio_and_printed(quick):
     _, printed, res = quick
     bars = res["bars"]
     keys = {(b["key"], b["transport"]) for b in bars}
-    want = {("get_shm_1mib", "local"), ("get_vm_1mib", "local"), ("ra_pingpong", "local")}
+    want = {("get_shm_1mib", "local"), ("ra_pingpong", "local")}
     if not MPI_MISSING:
-        want |= {("get_shm_1mib", "mpi"), ("get_vm_1mib", "mpi"), ("barrier_mpi", "mpi"),
+        want |= {("get_shm_1mib", "mpi"), ("barrier_mpi", "mpi"),
                  ("ra_pingpong", "mpi")}
     assert keys == want
     for b in bars:

@@ -282,6 +282,35 @@ def test_poll_in_a_compute_loop_runs_remote_actions(transport):
     assert mf.spmd(poll_loop, n=2, transport=transport) == ["set", "saw it"]
 
 
+def _null():
+    return None
+
+
+def long_poll_loop(k):
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        polls = 0
+        while flag[0] == 0.0:
+            mf.poll()
+            polls += 1
+        mf.barrier()
+        return polls > 0
+    for _ in range(k):
+        mf.remote_action(1, _null).wait()
+    mf.put(ptrs[1], 1.0).wait()
+    mf.barrier()
+    return k
+
+
+@pytest.mark.timeout(120)
+def test_a_loop_that_polls_serves_thousands_of_remote_actions_in_a_row(transport):
+    # each poll that found a request let it run and came back through the
+    # engine's loop one level deeper: after about a thousand in a row the
+    # polling context died of a RecursionError
+    assert mf.spmd(long_poll_loop, 3000, n=2, transport=transport) == [3000, True]
+
+
 def released_by_flag(gp):
     while mf.get(gp).wait()[0] == 0.0:  # runs until context 0 sets the flag
         mf.poll()

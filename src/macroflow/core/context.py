@@ -718,54 +718,58 @@ class Engine:
     def _process(self) -> None:
         inbox = self.inbox
         stop = self.stop_at
-        while inbox:
-            if stop is not None and time.monotonic() >= stop:
-                break  # a waiter in this thread is due (inproc): the rest can wait
-            src, bufs, load = inbox.popleft()
-            try:
-                self.loads[src] = load
-            except IndexError:  # _heard's case, inline: the commonest path of all
-                self._heard(src, load)
-            b0 = bufs[0]
-            if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
-                self._relay_frame(bufs)
-                continue
-            if b0[0] == _V:
-                _, ok, a0, a1 = _VGET.unpack_from(b0)
-                data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]
-                self._on_value(((a0, a1), None), ok, data, bufs[2:])
-                continue
-            if b0[0] == _W:
-                _, ok, a0, a1, c0, c1 = _VARC.unpack_from(b0)
-                data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VARC.size:]
-                self._on_value(((a0, a1), (c0, c1)), ok, data, bufs[2:])
-                continue
-            try:
-                msg = _rsr_msg(bufs) if b0[0] == _R else marshal.loads(b0, bufs[1:])
-            except Exception as e:
-                msg = self._undecodable(src, bufs, e)
-                if msg is None:
+        while True:
+            while inbox:
+                if stop is not None and time.monotonic() >= stop:
+                    break  # a waiter in this thread is due (inproc): the rest can wait
+                src, bufs, load = inbox.popleft()
+                try:
+                    self.loads[src] = load
+                except IndexError:  # _heard's case, inline: the commonest path of all
+                    self._heard(src, load)
+                b0 = bufs[0]
+                if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
+                    self._relay_frame(bufs)
                     continue
-            if msg[0] == CALL:
-                self._on_call(src, msg)
-            else:
-                self.dispatch(src, msg)
-        while self.lost_queue:
-            # after the frames read before the loss, and before the threads
-            # resume: one that polls (mf.poll()) sees the loss too, not only
-            # one that waits for a future
-            self._on_lost(self.lost_queue.pop(0))
-        ready = self.ready
-        while ready:
-            w = ready.popleft()
-            self.resume(w.g, w.value)
-        if self.timers:
+                if b0[0] == _V:
+                    _, ok, a0, a1 = _VGET.unpack_from(b0)
+                    data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]
+                    self._on_value(((a0, a1), None), ok, data, bufs[2:])
+                    continue
+                if b0[0] == _W:
+                    _, ok, a0, a1, c0, c1 = _VARC.unpack_from(b0)
+                    data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VARC.size:]
+                    self._on_value(((a0, a1), (c0, c1)), ok, data, bufs[2:])
+                    continue
+                try:
+                    msg = _rsr_msg(bufs) if b0[0] == _R else marshal.loads(b0, bufs[1:])
+                except Exception as e:
+                    msg = self._undecodable(src, bufs, e)
+                    if msg is None:
+                        continue
+                if msg[0] == CALL:
+                    self._on_call(src, msg)
+                else:
+                    self.dispatch(src, msg)
+            while self.lost_queue:
+                # after the frames read before the loss, and before the threads
+                # resume: one that polls (mf.poll()) sees the loss too, not only
+                # one that waits for a future
+                self._on_lost(self.lost_queue.pop(0))
+            ready = self.ready
+            while ready:
+                w = ready.popleft()
+                self.resume(w.g, w.value)
+            if not self.timers:
+                return
             now = time.monotonic()
             while self.timers and self.timers[0][0] <= now:
                 _, _, w = heapq.heappop(self.timers)
                 w.wake(_TIMEOUT)
-            if ready:
-                self._process()
+            if not ready:
+                return
+            # a thread woken by a timer: once more, from the top (a loop, not a
+            # call: a thread that polls in a loop is woken again and again)
 
     def resume(self, g, value) -> None:
         r = g.switch(value)
