@@ -282,10 +282,6 @@ def test_poll_in_a_compute_loop_runs_remote_actions(transport):
     assert mf.spmd(poll_loop, n=2, transport=transport) == ["set", "saw it"]
 
 
-def _null():
-    return None
-
-
 def long_poll_loop(k):
     flag = np.zeros(1)
     ptrs = mf.allgather(mf.register(flag))
@@ -297,7 +293,7 @@ def long_poll_loop(k):
         mf.barrier()
         return polls > 0
     for _ in range(k):
-        mf.remote_action(1, _null).wait()
+        mf.remote_action(1, pong).wait()
     mf.put(ptrs[1], 1.0).wait()
     mf.barrier()
     return k

@@ -309,7 +309,7 @@ def get(gp: MemoryPointer, out: Optional[np.ndarray] = None) -> Handle:
                 and out.flags.c_contiguous and out.flags.writeable and not eng.closed
                 and model.onesided == "direct" and gp.ident not in model.revoked
                 and not watch.gone()):
-            out.reshape(-1).view(np.uint8)[:] = src
+            _bytes(out)[:] = src
             model.counts["spmd_gets_direct"] += 1
             return Handle(eng, Done(out), ("get", gp, None))
     eng = _engine(gp, "get")

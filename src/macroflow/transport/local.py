@@ -1010,7 +1010,7 @@ class LocalTransport(Transport):
                         r.pos = head
                         deliver(peer, bufs, load)  # type: ignore[misc]
                     elif n == _ring.BULK:
-                        bufs, fload = r.read_bulk(base, self._bulk_landing(peer))
+                        bufs, fload = r.read_bulk(base, self.landing, peer)
                         self.bulk_got += 1
                         head += 8 + ((load + 7) & -8)  # load: the entry's length here
                         r.pos = head
@@ -1049,17 +1049,7 @@ class LocalTransport(Transport):
             {'bulk_sent': 0, 'bulk_received': 0, 'bulk_buffers_held': 0}
             >>> t.close()
         """
-        held = sum(c.rin.bulk.live for c in self.rins if c.rin is not None and c.rin.bulk)
-        return {"bulk_sent": self.bulk_sent, "bulk_received": self.bulk_got,
-                "bulk_buffers_held": held}
-
-    def _bulk_landing(self, peer: int) -> Optional[Any]:
-        """What the ring's bulk area asks where a buffer should land (see
-        :meth:`Transport.attach`), for a frame from ``peer``."""
-        landing = self.landing
-        if landing is None:
-            return None
-        return lambda head, n: landing(peer, head, n)  # type: ignore[misc]
+        return _ring.bulk_counts(self.bulk_sent, self.bulk_got, (c.rin for c in self.rins))
 
     def nap(self, on: bool) -> bool:
         """While ``on``, this context may not look at its rings for a while

@@ -855,9 +855,7 @@ class MpiTransport(Transport):
     def bulk_counts(self) -> Dict[str, int]:
         """Frames sent and received with buffers in a ring's bulk area, and
         the buffers received so that are still in use here."""
-        held = sum(r.bulk.live for _, r in self.rins if r.bulk is not None)
-        return {"bulk_sent": self.bulk_sent, "bulk_received": self.bulk_got,
-                "bulk_buffers_held": held}
+        return _ring.bulk_counts(self.bulk_sent, self.bulk_got, (r for _, r in self.rins))
 
     def _offer_rings(self) -> None:
         """Offer a ring to every peer of this host not offered one yet."""
@@ -1030,9 +1028,7 @@ class MpiTransport(Transport):
                         r.pos = head
                         got = self._hand_frame(p, f) or got
                     elif n == _ring.BULK:
-                        landing = self.landing
-                        bufs, fload = r.read_bulk(base, None if landing is None else (
-                            lambda head, k: landing(p, head, k)))  # type: ignore[misc]
+                        bufs, fload = r.read_bulk(base, self.landing, p)
                         self.bulk_got += 1
                         head += 8 + ((load + 7) & -8)  # load: the entry's length here
                         r.pos = head

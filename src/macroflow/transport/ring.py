@@ -70,7 +70,7 @@ import os
 import platform
 import struct
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -515,14 +515,14 @@ class Ring:
         b.sent += 1
         return b"".join(parts + rest)
 
-    def read_bulk(self, base: int,
-                  landing: Optional[Callable[[Any, int], Any]] = None) -> Tuple[List[Any], int]:
-        """Reader: the buffers and load of the BULK entry at ``base``; the
-        first buffer (and any inline one) as a ``_ring_read`` of a MANY entry
-        gives it, each in the area as a numpy array on the slot itself, or
-        copied into the buffer ``landing(head, nbytes)`` gives for it
-        (a receive posted for it; None: the slot's array), which gives the
-        slot back at once."""
+    def read_bulk(self, base: int, landing: Optional[Callable[[int, Any, int], Any]] = None,
+                  peer: int = -1) -> Tuple[List[Any], int]:
+        """Reader: the buffers and load of the BULK entry at ``base``, written
+        by ``peer``; the first buffer (and any inline one) as a ``_ring_read``
+        of a MANY entry gives it, each in the area as a numpy array on the
+        slot itself, or copied into the buffer ``landing(peer, head, nbytes)``
+        gives for it (a transport's landing: a receive posted for it; None:
+        the slot's array), which gives the slot back at once."""
         mm = self.mm
         nb, load = _FRAME.unpack_from(mm, base + 8)
         at = base + 8 + _FRAME.size
@@ -537,7 +537,7 @@ class Ring:
             elif self.bulk is None:
                 raise ValueError("a BULK entry in a ring without a bulk area")
             else:
-                posted = landing(bufs[0], n) if landing is not None and bufs else None
+                posted = landing(peer, bufs[0], n) if landing is not None and bufs else None
                 if posted is None:
                     bufs.append(self.bulk.take(k, off, n))
                 else:
@@ -606,12 +606,15 @@ class BulkIn:
         self.closing = False
         self.remove = False
 
-    def take(self, k: int, off: int, n: int) -> np.ndarray:
-        """The ``n`` bytes at ``off`` that the writer gave in slot ``k``, as
-        a writable uint8 array on the area (ValueError if out of bounds)."""
+    def _check(self, k: int, off: int, n: int) -> None:
         if not 0 <= k < BULK_SLOTS or off < 0 or n < 1 or off + n > self.size or self.closing:
             raise ValueError(f"no bulk buffer of {n} bytes at {off} (slot {k}) "
                              f"in an area of {self.size}")
+
+    def take(self, k: int, off: int, n: int) -> np.ndarray:
+        """The ``n`` bytes at ``off`` that the writer gave in slot ``k``, as
+        a writable uint8 array on the area (ValueError if out of bounds)."""
+        self._check(k, off, n)
         x = _exporter(n).from_address(self.addr + off)
         x.k = k
         x.area = self
@@ -622,10 +625,10 @@ class BulkIn:
     def copy_out(self, k: int, off: int, n: int, into: Any) -> None:
         """Copy the ``n`` bytes at ``off`` that the writer gave in slot ``k``
         into ``into`` (a writable buffer of ``n`` bytes), and give the slot back."""
+        self._check(k, off, n)
         mv = memoryview(into).cast("B")
-        if not 0 <= k < BULK_SLOTS or off < 0 or off + n > self.size or mv.nbytes != n:
-            raise ValueError(f"no bulk buffer of {n} bytes at {off} (slot {k}) to copy into "
-                             f"{mv.nbytes} bytes")
+        if mv.nbytes != n:
+            raise ValueError(f"a bulk buffer of {n} bytes cannot land in {mv.nbytes} bytes")
         mv[:] = self.map.mv[PAGE + off:PAGE + off + n]
         self.back[k] += 1
 
@@ -704,6 +707,19 @@ class BulkOut:
             self.mv.release()
             self.back = None
             self.map.close()
+
+
+def bulk_counts(sent: int, got: int, rings: Any) -> Dict[str, int]:
+    """A transport's bulk-area counts for ``mf.stats()``: frames it ``sent``
+    and ``got`` with buffers in a bulk area, and the buffers still in use
+    in the areas of the ``rings`` it reads.
+
+    Example:
+        >>> bulk_counts(2, 3, [None])
+        {'bulk_sent': 2, 'bulk_received': 3, 'bulk_buffers_held': 0}
+    """
+    held = sum(r.bulk.live for r in rings if r is not None and r.bulk is not None)
+    return {"bulk_sent": sent, "bulk_received": got, "bulk_buffers_held": held}
 
 
 _exporters: dict = {}  # length -> the class of a bulk buffer of that length
