@@ -7,6 +7,7 @@ import signal
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -615,3 +616,61 @@ def test_large_arrays_cross_by_the_bulk_area_and_a_kept_result_outlives_the_comp
     assert [float(a[-1]) for a in arrs] == [0.0, 1.0, 2.0, 3.0]
     arrs[0][:] = 5.0  # the session is closed; the arrays are still the user's
     assert float(arrs[0].sum()) == 5.0 * (1 << 19)
+
+
+@pytest.mark.parametrize("make", ["local", "mpi"])
+def test_the_spin_grows_to_cover_a_short_wait_and_shrinks_after_a_long_one(make):
+    if make == "local":
+        t = LocalTransport(0, {}, spin_us=50)
+    else:
+        M = pytest.importorskip("macroflow.transport.mpi")
+        if M.available() is not None:
+            pytest.skip(M.available())
+        t = M.MpiTransport(M.mpi().COMM_SELF.Dup(), 50)
+    try:
+        assert t.spin_cur == t.spin_s == 50e-6 and t.spin_max == 20 * 50e-6
+        t._adapt(200e-6, True)  # a frame 200 us after the wait began: spin that long, and more
+        assert t.spin_cur == pytest.approx(300e-6)
+        t._adapt(100e-6, True)  # a shorter wait does not shrink it
+        assert t.spin_cur == pytest.approx(300e-6)
+        t._adapt(900e-6, True)  # never beyond spin_max
+        assert t.spin_cur == pytest.approx(t.spin_max)
+        t._adapt(0.5, True)  # a long wait halves it
+        assert t.spin_cur == pytest.approx(t.spin_max / 2)
+        t._adapt(1e-4, False)  # so does a wait that ended with nothing
+        assert t.spin_cur == pytest.approx(t.spin_max / 4)
+        for _ in range(10):
+            t._adapt(1.0, True)
+        assert t.spin_cur == pytest.approx(t.spin_s)  # never below the setting
+    finally:
+        t.close()
+
+
+@mf.persistent
+class _Slow:
+    def work(self, us):
+        end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < end:
+            pass
+        return us
+
+
+def _pokes():
+    return current_engine().transport.pokes
+
+
+def test_a_caller_whose_replies_take_a_little_longer_than_the_spin_stops_needing_a_wake_up():
+    # Each reply comes about 300 us after its call, longer than the 50 us spin:
+    # without the spin's growth the caller sleeps every time and every reply
+    # pokes its socket; with it, the caller soon spins for the whole wait.
+    with mf.init(contexts=2, transport="local", spin_us=50):
+        s = _Slow.create(on=1)
+        s.work(1).result(30)
+        n = 200
+        before = mf.remote_action(1, _pokes).wait(30)
+        for _ in range(n):
+            assert s.work(300).result(30) == 300
+        pokes = mf.remote_action(1, _pokes).wait(30) - before
+        t = current_engine().transport
+        assert t.spin_s < t.spin_cur <= t.spin_max
+    assert pokes < n // 4, f"{pokes} of {n} replies had to wake the caller"

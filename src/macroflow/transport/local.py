@@ -78,6 +78,7 @@ _POOL_MIN = 1 << 20  # buffers from this size on are pooled
 _STALL = 2.0  # seconds a peer may pause in the middle of a large buffer
 _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
 _CALM = 0.01  # then sleep instead of spinning for this long
+SPIN_GROWTH = 20  # the spin grows to at most this many times spin_us (see _adapt)
 _HELLO = struct.Struct("<4sI16s")  # magic, the connector's context id, the secret
 _MAGIC = b"MFh1"
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -483,8 +484,11 @@ class LocalTransport(Transport):
         self.mapped: List[_ring.Ring] = []  # peers' rings we write to, unmapped at close()
         self.dead: List[_ring.Ring] = []  # rings of closed connections: see _close
         self.ring_polls = 0
+        self.pokes = 0  # wake-ups sent: a ring's reader had flagged NAP
         self.bulk_sent = self.bulk_got = 0  # frames with buffers in a bulk area
         self.spin_s = spin_us / 1e6
+        self.spin_cur = self.spin_s  # the spin now (see _adapt)
+        self.spin_max = SPIN_GROWTH * self.spin_s
         self.conns: Dict[int, _Conn] = {}  # peer -> the connection frames to it go on
         self.links: Dict[int, List[_Conn]] = {}  # peer -> all its connections (at most 2)
         self.byfd: Dict[int, _Conn] = {}
@@ -931,6 +935,7 @@ class LocalTransport(Transport):
         bell = r.bell
         if bell[_ring.NAP] and not c.outq:  # (the bytes in flight will wake it)
             bell[_ring.NAP] = 0
+            self.pokes += 1
             self._send_whole(c, _WAKE)
 
     def _wait_room(self, c: _Conn, r: _ring.Ring, data: Any, load: int, kind: int) -> None:
@@ -942,6 +947,7 @@ class LocalTransport(Transport):
                 raise ConnectionError(f"context {c.peer}: connection closed")
             if r.bell[_ring.NAP] and not c.outq:
                 r.bell[_ring.NAP] = 0
+                self.pokes += 1
                 self._send_whole(c, _WAKE)
             draining, self.draining = self.draining, True
             try:
@@ -1108,12 +1114,16 @@ class LocalTransport(Transport):
                 timeout = 0
         events = self.ep.poll(0)
         if not events and timeout != 0:
+            start = 0.0
             if self.spin_s > 0.0:
+                start = time.perf_counter()
                 events = self._spin()
                 if events is None:
                     return True  # a ring delivered
             if not events:
                 events = self._sleep(timeout)
+                if start:
+                    self._adapt(time.perf_counter() - start, events is None or bool(events))
                 if events is None:
                     return True
         for fd, _ev in events:
@@ -1140,6 +1150,16 @@ class LocalTransport(Transport):
                 if r in self.mapped:
                     self.mapped.remove(r)
 
+    def _adapt(self, waited: float, came: bool) -> None:
+        # A frame that came soon after the spin gave up cost a sleep and a
+        # wake-up (tens of us here) that a longer spin would have saved:
+        # spin that long next time, up to spin_max. A long wait, or none
+        # that ended with a frame, brings the spin back down.
+        if came and waited <= self.spin_max:
+            self.spin_cur = min(self.spin_max, max(self.spin_cur, 1.5 * waited))
+        elif self.spin_cur > self.spin_s:
+            self.spin_cur = max(self.spin_s, 0.5 * self.spin_cur)
+
     def _spin(self) -> Optional[list]:
         # Poll for spin_s before sleeping: waking a sleeping process costs more
         # than a call. But spinning is only a win while this context has a core
@@ -1148,7 +1168,7 @@ class LocalTransport(Transport):
         now = time.perf_counter()
         if now < self.calm_until:
             return []
-        deadline = now + self.spin_s
+        deadline = now + self.spin_cur
         poll = self.ep.poll
         clock = time.perf_counter
         yield_ = os.sched_yield
