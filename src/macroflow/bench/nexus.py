@@ -256,6 +256,9 @@ class Wire:
     """Length-prefixed raw bytes over a non-blocking stream socket, waiting as
     the ``local`` transport waits: poll for ``spin_us`` (yielding the core
     between polls), then sleep in ``poll``; preempted, stop spinning a while.
+    With ``grow`` (the transport with rings) the poll lasts longer after a
+    wait that ended soon after it gave up, as the transport's does; ``tcp``
+    does not grow its own.
 
     Example:
         >>> a, b = socket.socketpair()
@@ -267,8 +270,9 @@ class Wire:
         >>> a.close(); b.close()
     """
 
-    def __init__(self, sock: socket.socket, spin_us: float):
+    def __init__(self, sock: socket.socket, spin_us: float, grow: bool = True):
         self.sock = sock
+        self.grow = grow
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -339,7 +343,7 @@ class Wire:
                     break
                 last = t
         self.poller.poll(-1)  # POLLHUP wakes it too when the other end goes
-        if self.spin_s > 0.0:
+        if self.grow and self.spin_s > 0.0:
             waited = time.perf_counter() - now
             if waited <= SPIN_GROWTH * self.spin_s:
                 self.spin_cur = min(SPIN_GROWTH * self.spin_s, max(self.spin_cur, 1.5 * waited))
@@ -401,7 +405,7 @@ class HandCoded:
                     theirs.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 else:
                     mine.close()
-                _echo(Wire(theirs, self.spin_us), self.capacity)
+                _echo(Wire(theirs, self.spin_us, self.kind == "unix"), self.capacity)
                 code = 0
             except BaseException:
                 import traceback
@@ -418,7 +422,7 @@ class HandCoded:
                 mine.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 theirs.close()
-            self.wire = Wire(mine, self.spin_us)
+            self.wire = Wire(mine, self.spin_us, self.kind == "unix")
         except BaseException:
             self._kill()
             raise

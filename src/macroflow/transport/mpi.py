@@ -1176,7 +1176,8 @@ class MpiTransport(Transport):
             if self._spin(deadline):
                 return True
             got = self._wait(deadline, own, seen)
-            self._adapt(time.perf_counter() - start, got)
+            if self.rins:  # as on local: where frames are seen in shared memory
+                self._adapt(time.perf_counter() - start, got)
             return got
         return self._wait(deadline, own, seen)
 
