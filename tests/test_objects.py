@@ -1036,3 +1036,23 @@ def test_a_future_is_not_made_directly_and_its_failure_is_quiet():
     assert out.returncode == 0
     assert out.stderr == ""
     assert out.stdout.splitlines()[0].startswith("mf.Future() cannot be made directly: every call returns one")
+
+
+def test_create_takes_a_numpy_integer_context_id_and_refuses_a_bool(run):
+    import numpy as np
+
+    @mf.persistent
+    class Where:
+        def here(self):
+            return mf.context_id()
+
+    def main():
+        got = [Where.create(on=np.int64(1)).here().result(),
+               Where.create(on=np.uint8(0)).here().result()]
+        with pytest.raises(TypeError, match="on= must be a context id"):
+            Where.create(on=True)
+        with pytest.raises(TypeError, match="on= must be a context id"):
+            Where.create(on=1.0)
+        return got
+
+    assert run(main, contexts=2) == [1, 0]

@@ -6,6 +6,7 @@ import os
 import time
 
 import psutil
+import numpy as np
 import pytest
 
 import macroflow as mf
@@ -159,7 +160,7 @@ def test_bad_ids_are_refused(run, cid, match):
 
 def test_removing_twice_is_refused(run):
     def main():
-        mf.remove_context(1)
+        mf.remove_context(np.int64(1))  # a numpy integer is a context id too
         with pytest.raises(ValueError, match="removed already"):
             mf.remove_context(1)
         return {Where().here().result() for _ in range(6)}

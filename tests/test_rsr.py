@@ -438,3 +438,28 @@ def test_a_request_held_for_a_failed_constructor_says_why(capfd, transport):
 
     mf.run(main, contexts=2, transport=transport)
     assert "its object was never made (its constructor failed" in capfd.readouterr().err
+
+
+async def deposit_async(box, fut_ref):
+    box.got.append(await fut_ref[0])  # a coroutine handler may await a future (in a new thread)
+
+
+async def deposit_async_now(box, x):
+    box.got.append((x, "async"))
+
+
+@pytest.mark.parametrize("thread", ["inline", "new"])
+def test_an_async_def_handler_is_run_to_its_end(run, thread):
+    def main():
+        box = Mailbox.create(on=1)
+        if thread == "new":
+            f = Slow.create(on=0).value(7)
+            mf.rsr(mf.info(box).gptr, deposit_async, Wrap(f), thread="new")
+        else:
+            mf.rsr(mf.info(box).gptr, deposit_async_now, 7)
+        mf.rsr(mf.info(box).gptr, deposit, "x")
+        return box.when_two().result()
+
+    got = run(main, contexts=2)
+    want = 7 if thread == "new" else (7, "async")
+    assert sorted(map(str, got)) == sorted(map(str, [want, ("x", 1)]))

@@ -1240,3 +1240,34 @@ def reader_of_dead_owner():
 def test_a_pointer_read_again_fails_once_its_owner_has_died():
     with pytest.raises(mf.ContextLost):
         mf.spmd(reader_of_dead_owner, n=2, transport="local")
+
+
+async def _async_action(x):
+    return x + mf.rank()
+
+
+async def _async_action_that_awaits(handle):
+    return await handle.value(5) * 2
+
+
+@mf.persistent
+class _Five:
+    def value(self, x):
+        return x
+
+
+def async_actions():
+    if mf.rank() == 0:
+        five = _Five.create(on=1)
+        got = (mf.remote_action(1, _async_action, 10).wait(),
+               mf.remote_action(np.int64(1), _async_action_that_awaits, five).wait(),
+               mf.broadcast("b", root=np.int64(1)))
+    else:
+        got = mf.broadcast("b", root=np.int64(1))
+    mf.barrier()
+    return got
+
+
+def test_an_async_def_remote_action_runs_to_its_end_and_numpy_ranks_are_taken(transport):
+    res = mf.spmd(async_actions, n=2, transport=transport)
+    assert res == [(11, 10, "b"), "b"]

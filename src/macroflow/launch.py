@@ -21,6 +21,7 @@ import dataclasses
 import ctypes
 import errno
 import math
+import operator
 import os
 import random
 import resource
@@ -734,8 +735,13 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
         (49, 'ObjectDestroyed', ['running', 'removed', 'running'])
     """
     from .core import errors
-    if isinstance(cid, bool) or not isinstance(cid, int):
-        raise ValueError(f"remove_context: cid must be a context id (an int); got {cid!r}")
+    try:
+        if isinstance(cid, bool):
+            raise TypeError
+        cid = operator.index(cid)  # an int, or a numpy integer
+    except TypeError:
+        raise ValueError(f"remove_context: cid must be a context id (an int); "
+                         f"got {cid!r}") from None
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"remove_context: timeout must be a positive number of seconds; "
                          f"got {timeout!r}")

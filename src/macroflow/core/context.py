@@ -1294,7 +1294,9 @@ class Engine:
 
     def _run_rsr(self, gid, handler, target, args) -> None:
         try:
-            handler(target, *args)
+            r = handler(target, *args)
+            if type(r) is CoroutineType:  # an async def handler: run it, as a method is
+                run_coroutine(r)
         except Exception:
             traceback.print_exc()
         self.stats.rsr_executed += 1
@@ -1328,7 +1330,9 @@ class Engine:
         # where the engine, or the service mechanism, stands
         inline, self.in_inline = self.in_inline, True
         try:
-            handler(target, *args)
+            r = handler(target, *args)
+            if type(r) is CoroutineType:  # run to its end: one that awaits a pending future fails
+                run_coroutine(r)
         except Exception:
             traceback.print_exc()
         finally:

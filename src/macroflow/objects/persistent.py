@@ -21,6 +21,7 @@ the class attribute ``create``.
 from __future__ import annotations
 
 import inspect
+import operator
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
@@ -38,8 +39,12 @@ T = TypeVar("T", bound=type)
 
 
 def _check_on(eng: Any, on: Any) -> int:
-    if isinstance(on, bool) or not isinstance(on, int):
-        raise TypeError(f"on= must be a context id (int); got {on!r}")
+    try:
+        if isinstance(on, bool):
+            raise TypeError
+        on = operator.index(on)  # an int, or a numpy integer
+    except TypeError:
+        raise TypeError(f"on= must be a context id (int); got {on!r}") from None
     if not 0 <= on < eng.size:
         raise ValueError(f"on={on}: there are {eng.size} contexts (0..{eng.size - 1})")
     return on

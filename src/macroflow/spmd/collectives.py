@@ -398,7 +398,14 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
     eng = current_engine()
     model = model_of(eng)
     run = model.current_run(name)
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < run.size:
+    try:
+        if isinstance(root, bool):
+            raise TypeError
+        root = operator.index(root)  # an int, or a numpy integer
+    except TypeError:
+        raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; "
+                         f"got {root!r}") from None
+    if not 0 <= root < run.size:
         raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; got {root!r}")
     return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
 

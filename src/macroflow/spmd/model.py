@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..core import errors, marshal
 from ..core.context import (RSR, Call, CallKind, Engine, Model, check_timeout, current_engine,
                             register, register_model, rsr_frame)
-from ..core.future import FINISHED, Future
+from ..core.future import FINISHED, CoroutineType, Future, run_coroutine
 from ..core.threads import INTERRUPTS, getcurrent
 
 KIND = "spmd"
@@ -415,7 +415,10 @@ def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:
                                    f"register it with mf.register_handler({handler!r}, fn) in "
                                    f"every context (at import)")
         handler = fn
-    return handler(*args, **kwargs)
+    value = handler(*args, **kwargs)
+    if type(value) is CoroutineType:  # an async def handler: run it here, as a method is
+        value = run_coroutine(value)
+    return value
 
 
 class SpmdModel(Model):
