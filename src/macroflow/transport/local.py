@@ -26,6 +26,9 @@ one receiver arrive in order even when both ends connect at the same moment.
 Waiting: a context that just did something polls for ``spin_us`` before it
 sleeps in epoll, because waking a sleeping process on the other core costs
 ~30 us here, more than all the Python work of a call (see docs/benchmarks.md).
+With rings, a wait that a longer poll would have caught makes the next poll
+longer (see ``_adapt``), and the poll looks at the rings every time and at
+the sockets (a system call) every ``_SOCKET_LOOK``-th time.
 
 Rings (``rings=True``, as the launcher makes contexts unless MACROFLOW_RINGS=0):
 each side of a connection offers the peer a shared-memory ring to write to it
@@ -78,6 +81,7 @@ _POOL_MIN = 1 << 20  # buffers from this size on are pooled
 _STALL = 2.0  # seconds a peer may pause in the middle of a large buffer
 _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
 _CALM = 0.01  # then sleep instead of spinning for this long
+_SOCKET_LOOK = 8  # a spin with rings looks at the sockets this seldom (see _spin)
 SPIN_GROWTH = 20  # the spin grows to at most this many times spin_us (see _adapt)
 _HELLO = struct.Struct("<4sI16s")  # magic, the connector's context id, the secret
 _MAGIC = b"MFh1"
@@ -1178,11 +1182,20 @@ class LocalTransport(Transport):
         events: list = []
         last = now
         rings = self._rings if self.rins else None
+        looks = 0
         while not events:
             yield_()  # lets a process waiting for this core run first
-            if rings is not None and rings():
-                return None
-            events = poll(0)
+            if rings is not None:
+                if rings():
+                    return None
+                # the socket at every _SOCKET_LOOK-th look only: frames come
+                # by the rings (a large one's MARK too), the socket brings
+                # news of peers, and its look is a system call
+                looks += 1
+                if looks % _SOCKET_LOOK == 0:
+                    events = poll(0)
+            else:
+                events = poll(0)
             t = clock()
             if t - last > _PREEMPTED:
                 self.calm_until = t + _CALM

@@ -121,6 +121,7 @@ LINGER = 2.0  # seconds close() waits for its peers to take its last messages
 _PREEMPTED = 1e-3  # a gap this long between two polls: someone else had our core
 _CALM = 0.01  # then sleep instead of spinning for this long
 _PROBES = 64  # messages taken per pass at most, so that sends get a turn
+_MPI_LOOK = 8  # a spin with rings probes MPI this seldom (see _spin)
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
 SPIN_GROWTH = 20  # the spin grows to at most this many times spin_us (see _adapt)
 _RING_LOOK = 16  # while rings deliver, look at MPI every this many passes
@@ -1280,9 +1281,17 @@ class MpiTransport(Transport):
         own = self.waker.state if self.waker is not None else None
         if own is not None:
             own[POLLING] = 1  # peers need not wake us meanwhile
+        # with rings, MPI only at every _MPI_LOOK-th look: frames come by the
+        # rings (a large one's MARK too), and a probe costs more than a look
+        rings = self._rings if self.rins and not woken else None
         try:
             while True:
-                if progress():
+                if rings is not None and looks % _MPI_LOOK:
+                    if rings():
+                        self.active_at = time.monotonic()
+                        self.expect = False
+                        return True
+                elif progress():
                     return True
                 t = clock()
                 if t - last > _PREEMPTED:
