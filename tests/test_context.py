@@ -543,14 +543,16 @@ def _recording_send_whole(self, c, data):
     return _orig_send_whole(self, c, data)
 
 
-_orig_ring_send = LocalTransport._ring_send
+_orig_send = LocalTransport.send
 
 
-def _recording_ring_send(self, c, r, parts, load, now):
-    # in a ring, a frame queued for the batch's end is not a write of its own
-    if now:
+def _recording_send(self, dest, parts, load):
+    # a frame sent at once into a ring (one queued for the batch's end is
+    # not a write of its own); on the socket, _send_whole records it
+    c = self.conns.get(dest)
+    if c is not None and (c.rout is not None or (c.rout_next is not None and not c.outq)):
         _writes.append((bytes(parts[0][:1]) == b"V", type(getcurrent()).__name__ == "Worker"))
-    return _orig_ring_send(self, c, r, parts, load, now)
+    return _orig_send(self, dest, parts, load)
 
 
 @mf.persistent
@@ -572,7 +574,7 @@ def test_a_value_its_caller_waits_for_leaves_before_the_calls_bookkeeping(transp
     # method's own thread as soon as it is pickled; replies to calls that
     # arrived together leave together, in fewer writes than calls.
     monkeypatch.setattr(LocalTransport, "_send_whole", _recording_send_whole)
-    monkeypatch.setattr(LocalTransport, "_ring_send", _recording_ring_send)
+    monkeypatch.setattr(LocalTransport, "send", _recording_send)
     monkeypatch.setenv("MACROFLOW_RINGS", rings)
 
     def main():

@@ -98,6 +98,7 @@ RSR_NOW = 11
 RETIRE, HANDOVER, RETIRED, RETIRE_ACK, LEFT = range(12, 17)
 _encode = marshal._encoder.dumps
 _pdumps = pickle.dumps
+_ploads = pickle.loads
 _PLAIN = marshal.PLAIN  # the commonest results and arguments: the C pickler's
 
 # the call kind the core serves itself: a function of the engine, by name
@@ -408,7 +409,10 @@ class Engine:
             # process): unpickled here, the futures and handles inside would
             # be that context's (current_engine looks at the thread first)
             return False
-        self._heard(src, load)
+        try:
+            self.loads[src] = load  # _heard, inline: the commonest path of all
+        except IndexError:
+            self._heard(src, load)
         prev, _state.current = _state.current, self  # what the value's pickle may need
         try:
             self._on_value(((a0, a1), None), True, memoryview(b0)[_VGET.size:], [])
@@ -430,7 +434,12 @@ class Engine:
         if fid is None:
             fid = (self.id, next(self.seq))
         arcs = None
-        plain = not kwargs and marshal.plain(args)
+        plain = not kwargs
+        if plain:
+            for v in args:  # marshal.plain(args), inline
+                if type(v) not in _PLAIN:
+                    plain = False
+                    break
         if not plain and ((args and _has_future(args))
                           or (kwargs and _has_future(kwargs.values()))):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
@@ -597,13 +606,20 @@ class Engine:
             f._waiters.append(waiter)
             if timeout is not None:
                 eng.add_timer(timeout, waiter)
-            if call is not None:
-                eng._block(call, f, waiter)
+            if call is not None:  # eng._block(call, f, waiter), inline
+                call.waiting = f
+                now = time.monotonic()
+                if not eng.blocked:
+                    eng.next_probe = now + PROBE_AFTER
+                eng.blocked[call.fid] = (call, f, waiter, now)
+                eng.blocked_version += 1
             try:
-                r = eng.park()
+                r = eng.root.switch(PARKED)  # eng.park()
             finally:
-                if call is not None:
-                    eng._unblock(call)
+                if call is not None:  # eng._unblock(call), inline
+                    call.waiting = None
+                    eng.blocked.pop(call.fid, None)
+                    eng.blocked_version += 1
             if r is _TIMEOUT and f._state != FINISHED:
                 try:
                     f._waiters.remove(waiter)
@@ -665,10 +681,11 @@ class Engine:
         if self.inbox or self.ready or self.lost_queue:
             self.process()
             return
-        due = self.next_due()
-        if due is not None:
-            left = max(0.0, due - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
+        if self.timers or self.blocked:  # next_due(), inline: usually neither
+            due = self.next_due()
+            if due is not None:
+                left = max(0.0, due - time.monotonic())
+                timeout = left if timeout is None else min(timeout, left)
         pollers = self.pollers
         if pollers:
             # something completes without a message (an MPI request): look
@@ -742,7 +759,7 @@ class Engine:
                     self._on_value(((a0, a1), (c0, c1)), ok, data, bufs[2:])
                     continue
                 try:
-                    msg = _rsr_msg(bufs) if b0[0] == _R else marshal.loads(b0, bufs[1:])
+                    msg = _rsr_msg(bufs) if b0[0] == _R else _ploads(b0, buffers=bufs[1:])
                 except Exception as e:
                     msg = self._undecodable(src, bufs, e)
                     if msg is None:
@@ -786,8 +803,8 @@ class Engine:
             Waiter(self, g).wake([fn, args])
             return
         # a list, which the worker empties: see Worker._loop
-        if g.switch([fn, args]) is DONE:
-            pool.put(g)
+        if g.switch([fn, args]) is DONE and len(pool.free) < pool.keep:
+            pool.free.append(g)  # pool.put(g)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, src: int, msg: tuple) -> None:
@@ -904,7 +921,10 @@ class Engine:
             self._finish(call, False, errors.CallError(f"no method {call.method!r}"))
             return
         try:
-            args, kwargs = self._args(call)
+            if call.arcs:
+                args, kwargs = self._args(call)
+            else:
+                args, kwargs = call.args, call.kwargs
             if pre:
                 args = pre + tuple(args)
             svc = self.service
@@ -1031,7 +1051,11 @@ class Engine:
                 else:
                     self.stats.values_sent += 1
                     self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
-                self._complete(fid, slot, True, data, bufs)
+                if slot.subs or slot.released:
+                    self._complete(fid, slot, True, data, bufs)
+                else:  # _complete, inline: nobody else asked, not released yet
+                    slot.state = FINISHED
+                    slot.ok, slot.data, slot.bufs = True, data, bufs
                 return
         ok, data, bufs = self._pickle_value(ok, value)
         # rtf: the caller is waiting while the method goes on, so the value
@@ -1137,7 +1161,7 @@ class Engine:
 
     def _on_value(self, label, ok, data, bufs) -> None:
         try:
-            value = marshal.loads(data, bufs)
+            value = _ploads(data, buffers=bufs)  # marshal.loads
         except Exception as e:
             ok, value = False, errors.CallError(f"a value could not be unpickled here: {e!r}")
         if not ok:
@@ -1507,19 +1531,6 @@ class Engine:
         return self
 
     # ------------------------------------------------------------------ deadlocks
-    def _block(self, call: Call, f: Future, waiter: Waiter) -> None:
-        call.waiting = f
-        now = time.monotonic()
-        if not self.blocked:
-            self.next_probe = now + PROBE_AFTER
-        self.blocked[call.fid] = (call, f, waiter, now)
-        self.blocked_version += 1
-
-    def _unblock(self, call: Call) -> None:
-        call.waiting = None
-        self.blocked.pop(call.fid, None)
-        self.blocked_version += 1
-
     def probe_blocked(self, force: bool = False) -> None:
         """Send a deadlock probe for every method thread that has waited at
         least PROBE_AFTER seconds (every one, with ``force``); nothing is sent

@@ -91,10 +91,12 @@ def _engine_of(handle: Any) -> Any:
     """The running engine, if ``handle`` belongs to its computation (a handle
     made outside any belongs to every one); else StaleReference, or
     RuntimeError when nothing runs."""
-    try:
-        eng = current_engine()
-    except RuntimeError:
-        eng = None
+    eng = getattr(getcurrent(), "engine", None)  # current_engine()'s first look, inline
+    if eng is None:
+        try:
+            eng = current_engine()
+        except RuntimeError:
+            eng = None
     if eng is None or (handle._comp is not None and eng.computation != handle._comp):
         eng = current_engine_of(handle._comp, "handle", handle)  # raises the right error
     return eng

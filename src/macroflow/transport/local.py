@@ -765,6 +765,21 @@ class LocalTransport(Transport):
         if r is None and c.rout_next is not None and not c.outq:
             r = self._switch(c)
         if r is not None:
+            if len(parts) == 1:
+                # the commonest frame, _ring_send's first case inline
+                d = parts[0]
+                if (type(d) is bytes or type(d) is bytearray) and len(d) <= c.rmax:
+                    if not r.put(d, load):
+                        self._wait_room(c, r, d, load, 0)
+                    lock = _ring._fence_lock  # self._wake(c, r), inline
+                    lock.acquire()
+                    lock.release()
+                    bell = r.bell
+                    if bell[_ring.NAP] and not c.outq:
+                        bell[_ring.NAP] = 0
+                        self.pokes += 1
+                        self._send_whole(c, _WAKE)
+                    return 16 + len(d)
             return self._ring_send(c, r, parts, load, True)
         return self._sock_send(c, dest, parts, load)
 
@@ -935,7 +950,9 @@ class LocalTransport(Transport):
 
     def _wake(self, c: _Conn, r: _ring.Ring) -> None:
         # the reader flags NAP, then looks at TAIL; we stored TAIL, now NAP
-        _ring.fence()
+        lock = _ring._fence_lock  # _ring.fence(), inline (once a frame)
+        lock.acquire()
+        lock.release()
         bell = r.bell
         if bell[_ring.NAP] and not c.outq:  # (the bytes in flight will wake it)
             bell[_ring.NAP] = 0

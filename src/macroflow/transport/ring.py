@@ -374,13 +374,17 @@ class Ring:
             base = self._claim(n)
             if base < 0:
                 return False
+            tail = self.pos  # past a WRAP, if _claim wrote one
         if n:
             self.mv[base + 8:base + 8 + n] = data
         if kind:
             ENTRY.pack_into(self.mm, base, kind, n if kind == MANY or kind == BULK else load)
         else:
             ENTRY.pack_into(self.mm, base, n, load)
-        self._publish(n)
+        # _publish, inline (every small frame comes this way)
+        self.pos = tail = tail + 8 + ((n + 7) & -8)
+        self.words[TAIL] = tail
+        self.bell[BELL] = self.ident + tail
         return True
 
     def put_parts(self, parts: Sequence[Any], n: int) -> bool:
