@@ -563,3 +563,22 @@ def test_cli_bench_json_check_leaves_no_file(monkeypatch, tmp_path):
     monkeypatch.setattr(micro, "main", lambda json_path, quick: seen.append(os.path.exists(json_path)) or 0)
     assert cli.main(["bench", "micro", "--json", str(path)]) == 0
     assert seen == [False]
+
+
+def test_counts_computed_with_numpy_are_taken_and_bools_are_not():
+    import numpy as np
+    assert mf.run(mf.num_contexts, contexts=np.int64(2), transport="inproc") == 2
+    assert mf.spmd(mf.rank, n=np.int32(2), transport="inproc") == [0, 1]
+    with pytest.raises(ValueError, match="contexts must be a positive int"):
+        mf.run(mf.num_contexts, contexts=True, transport="inproc")
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        mf.spmd(mf.rank, n=2.0, transport="inproc")
+
+
+def test_contexts_added_by_a_numpy_count():
+    import numpy as np
+
+    def main():
+        return mf.add_contexts(np.int64(1)), mf.num_contexts()
+
+    assert mf.run(main, contexts=2, transport="local") == ([2], 3)

@@ -463,3 +463,22 @@ def test_an_async_def_handler_is_run_to_its_end(run, thread):
     got = run(main, contexts=2)
     want = 7 if thread == "new" else (7, "async")
     assert sorted(map(str, got)) == sorted(map(str, [want, ("x", 1)]))
+
+
+async def _await_inline(box, ref):
+    try:
+        await ref[0]
+    except mf.DeadlockError as e:
+        box.got.append(str(e))
+
+
+def test_an_async_inline_handler_that_awaits_a_pending_future_is_told_it_cannot_wait(run):
+    def main():
+        box = Mailbox.create(on=1)
+        f = Slow.create(on=0).value(1)
+        mf.rsr(mf.info(box).gptr, _await_inline, Wrap(f))
+        mf.rsr(mf.info(box).gptr, deposit, "after")
+        return box.when_two().result()
+
+    got = run(main, contexts=2)
+    assert "thread='new'" in got[0]

@@ -21,7 +21,6 @@ import dataclasses
 import ctypes
 import errno
 import math
-import operator
 import os
 import random
 import resource
@@ -620,8 +619,10 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
     """
     from .core import errors
     from .core.context import check_timeout
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    k = _ctx.as_int(n)
+    if k is None or k < 1:
         raise ValueError(f"wait_contexts: n must be a positive int; got {n!r}")
+    n = k
     timeout = check_timeout(timeout)
     s = _main_session("mf.wait_contexts()")
     eng = s.engine
@@ -660,8 +661,10 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         ([2, 3], 4)
     """
     from .core import errors
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    k = _ctx.as_int(n)
+    if k is None or k < 1:
         raise ValueError(f"add_contexts: n must be a positive int; got {n!r}")
+    n = k
     if init is not None and not callable(init):
         raise ValueError(f"add_contexts: init must be a function of the context id, or None; "
                          f"got {init!r}")
@@ -735,13 +738,10 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
         (49, 'ObjectDestroyed', ['running', 'removed', 'running'])
     """
     from .core import errors
-    try:
-        if isinstance(cid, bool):
-            raise TypeError
-        cid = operator.index(cid)  # an int, or a numpy integer
-    except TypeError:
-        raise ValueError(f"remove_context: cid must be a context id (an int); "
-                         f"got {cid!r}") from None
+    c = _ctx.as_int(cid)  # an int, or a numpy integer
+    if c is None:
+        raise ValueError(f"remove_context: cid must be a context id (an int); got {cid!r}")
+    cid = c
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"remove_context: timeout must be a positive number of seconds; "
                          f"got {timeout!r}")
@@ -994,9 +994,11 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
     if _ctx._state.default is not None:
         raise RuntimeError("a macroflow computation is already running in this process; "
                            "shut it down first (mf.shutdown())")
-    if contexts is not None and (isinstance(contexts, bool) or not isinstance(contexts, int)
-                                 or contexts < 1):
-        raise ValueError(f"contexts must be a positive int; got {contexts!r}")
+    if contexts is not None:
+        k = _ctx.as_int(contexts)
+        if k is None or k < 1:
+            raise ValueError(f"contexts must be a positive int; got {contexts!r}")
+        contexts = k
     transport, contexts = choose_transport(transport, contexts)
     module = load_transport(transport)
     from .core.threads import service_setting

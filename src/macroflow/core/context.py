@@ -77,6 +77,7 @@ import copy
 import functools
 import heapq
 import itertools
+import operator
 import os
 import pickle
 import struct
@@ -585,7 +586,17 @@ class Engine:
     # ------------------------------------------------------------------ waiting
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
         if self.user and self.serving != _get_ident():
-            return self._from_user(self.wait_future, f, timeout)
+            svc = self.service  # self._from_user(self.wait_future, ...), inline
+            svc.leave()
+            try:
+                self.wait_future(f, timeout)
+            except INTERRUPTS:
+                raise
+            except BaseException:
+                svc.enter()
+                raise
+            svc.enter()
+            return
         if timeout is not None:
             timeout = check_timeout(timeout)
         self.request_value(f)
@@ -601,7 +612,9 @@ class Engine:
             call = w.call
             eng = w.engine
             if call is not None:
-                eng.call_kinds[call.kind].check_wait(call, f)  # a wait that can never end raises
+                kind = eng.call_kinds[call.kind]
+                if kind.checks_waits:
+                    kind.check_wait(call, f)  # a wait that can never end raises
             waiter = Waiter(eng, w)
             f._waiters.append(waiter)
             if timeout is not None:
@@ -681,11 +694,12 @@ class Engine:
         if self.inbox or self.ready or self.lost_queue:
             self.process()
             return
-        if self.timers or self.blocked:  # next_due(), inline: usually neither
-            due = self.next_due()
-            if due is not None:
-                left = max(0.0, due - time.monotonic())
-                timeout = left if timeout is None else min(timeout, left)
+        if self.timers or self.blocked:  # next_due(), inline
+            due = self.timers[0][0] if self.timers else None
+            if self.blocked and (due is None or self.next_probe < due):
+                due = self.next_probe
+            left = max(0.0, due - time.monotonic())  # type: ignore[operator]
+            timeout = left if timeout is None else min(timeout, left)
         pollers = self.pollers
         if pollers:
             # something completes without a message (an MPI request): look
@@ -764,8 +778,11 @@ class Engine:
                     msg = self._undecodable(src, bufs, e)
                     if msg is None:
                         continue
-                if msg[0] == CALL:
+                op = msg[0]
+                if op == CALL:
                     self._on_call(src, msg)
+                elif op == RSR and HANDLERS.get(RSR) is _serve_rsr:
+                    self._on_rsr(msg)  # the next commonest, without the dispatch
                 else:
                     self.dispatch(src, msg)
             while self.lost_queue:
@@ -776,7 +793,9 @@ class Engine:
             ready = self.ready
             while ready:
                 w = ready.popleft()
-                self.resume(w.g, w.value)
+                g = w.g
+                if g.switch(w.value) is DONE:  # self.resume(g, value), inline
+                    self.pool.put(g)
             if not self.timers:
                 return
             now = time.monotonic()
@@ -1325,7 +1344,7 @@ class Engine:
             traceback.print_exc()
         self.stats.rsr_executed += 1
         model = self.pointer_kinds.get(gid[0])
-        if model is not None:
+        if model is not None and model.notes_served:
             model.served(gid[0], gid[1])  # the handler may have changed its target
 
     def _hold_rsr(self, gid, handler, args, thread: str) -> None:
@@ -1412,7 +1431,17 @@ class Engine:
     def post_frame(self, dest: int, parts: List[Any]) -> None:
         """Send one encoded frame on behalf of user code (see :func:`rsr_frame`)."""
         if self.user and self.serving != _get_ident():
-            return self._from_user(self.send_frame, dest, parts)
+            svc = self.service  # self._from_user(self.send_frame, ...), inline
+            svc.leave()
+            try:
+                self.send_frame(dest, parts)
+            except INTERRUPTS:
+                raise
+            except BaseException:
+                svc.enter()
+                raise
+            svc.enter()
+            return
         self.send_frame(dest, parts)
 
     def poll(self) -> int:
@@ -1736,6 +1765,23 @@ class Engine:
         return d
 
 
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (a numpy integer too, not a
+    bool), else None: context ids and counts computed with numpy are taken.
+
+    Example:
+        >>> import numpy as np
+        >>> as_int(3), as_int(np.int64(3)), as_int(True), as_int(3.0), as_int("3")
+        (3, 3, None, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_timeout(timeout: Any) -> Optional[float]:
     """A timeout in seconds as a float, None for none (``math.inf`` too);
     anything else is refused with an error that names it.
@@ -1915,6 +1961,13 @@ class CallKind:
     #: one round, the calls that have arrived (Tulip's Poll); else it serves
     #: only what needs no user code
     yields_on_poll = False
+    #: whether the kind has a :meth:`check_wait` of its own (set for each
+    #: subclass: a wait does not call the base's, which checks nothing)
+    checks_waits = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.checks_waits = cls.check_wait is not CallKind.check_wait
 
     def __init__(self, eng: "Engine"):
         self.eng = eng
@@ -1979,6 +2032,13 @@ class Model:
     name = "model"
     #: the kinds of global pointer (GlobalPointer.kind) this model resolves
     pointers: Tuple[str, ...] = ()
+    #: whether the model has a :meth:`served` of its own (set for each
+    #: subclass: a request's end does not call the base's, which does nothing)
+    notes_served = False
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.notes_served = cls.served is not Model.served
 
     def __init__(self, eng: "Engine"):
         self.eng = eng

@@ -16,6 +16,7 @@ context's engine makes progress; in a coroutine method, ``await f`` waits as
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 import weakref
@@ -216,8 +217,11 @@ class Future:
 
     def __await__(self):
         if self._state != FINISHED and getattr(getcurrent(), "engine", None) is None:
-            # asyncio code on the caller's side: the event loop drives the engine
-            return (yield from _wait_async(self).__await__())
+            eng = self._engine
+            if not (eng.in_inline or eng.serving == threading.get_ident()):
+                # asyncio code on the caller's side: the event loop drives the engine
+                return (yield from _wait_async(self).__await__())
+            # a handler run inline or at once: result() says it cannot wait
         # done, or in a method's lightweight thread: park it as result() does
         return self.result()
 

@@ -373,8 +373,11 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
             break
         i += 1
     if not i:
-        data, bufs = _dump_rest(args)
-        return b"\x00" + data, bufs
+        for a in args:  # _dump_rest, inline: plain values (a count, a name) are the commonest
+            if type(a) not in PLAIN:
+                data, bufs = _encoder.dumps(args)
+                return b"\x00" + data, bufs
+        return b"\x00" + pickle.dumps(args, 5), []
     parts.append(b"\x00")
     if i < len(args):
         data, bufs = _dump_rest(args[i:])

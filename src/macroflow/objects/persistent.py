@@ -21,12 +21,11 @@ the class attribute ``create``.
 from __future__ import annotations
 
 import inspect
-import operator
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, TypeVar
 
-from ..core.context import current_engine
+from ..core.context import as_int, current_engine
 from ..core.errors import StaleReference
 from ..core.future import CallSite, Future, current_engine_of, running_computation
 from ..core.gptr import GlobalPointer
@@ -39,12 +38,10 @@ T = TypeVar("T", bound=type)
 
 
 def _check_on(eng: Any, on: Any) -> int:
-    try:
-        if isinstance(on, bool):
-            raise TypeError
-        on = operator.index(on)  # an int, or a numpy integer
-    except TypeError:
-        raise TypeError(f"on= must be a context id (int); got {on!r}") from None
+    cid = as_int(on)  # an int, or a numpy integer
+    if cid is None:
+        raise TypeError(f"on= must be a context id (int); got {on!r}")
+    on = cid
     if not 0 <= on < eng.size:
         raise ValueError(f"on={on}: there are {eng.size} contexts (0..{eng.size - 1})")
     return on

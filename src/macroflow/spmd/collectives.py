@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 
 from ..core import errors
-from ..core.context import current_engine
+from ..core.context import as_int, current_engine
 from ..core.future import Future
 from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
                     local_future, model_of)
@@ -398,15 +398,10 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
     eng = current_engine()
     model = model_of(eng)
     run = model.current_run(name)
-    try:
-        if isinstance(root, bool):
-            raise TypeError
-        root = operator.index(root)  # an int, or a numpy integer
-    except TypeError:
-        raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; "
-                         f"got {root!r}") from None
-    if not 0 <= root < run.size:
+    r = as_int(root)  # an int, or a numpy integer
+    if r is None or not 0 <= r < run.size:
         raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; got {root!r}")
+    root = r
     return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
 
 

@@ -48,6 +48,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
+from types import FunctionType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
@@ -302,6 +303,7 @@ def _name(fn: Any) -> str:
 #: the SPMD model of the context it goes to
 ACTION = ("action", 0)
 _HEADS_MAX = 256  # handlers whose request heads are kept; more start afresh
+_pdumps = pickle.dumps
 _heads: Dict[Any, bytes] = {}
 
 
@@ -359,6 +361,12 @@ def action_head(handler: Any) -> Tuple[bytes, bool]:
         >>> action_head([].append)[1]
         True
     """
+    try:
+        head = _heads.get(handler)  # a stateless handler seen before is a key
+    except TypeError:  # unhashable: it has state, and travels with the arguments
+        head = None
+    if head is not None:
+        return head, False
     carried = not marshal.stateless(handler)
     key = None if carried else handler  # Action(None): the handler follows the arguments
     head = _heads.get(key)
@@ -393,7 +401,12 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
         else:
             svc.enter()  # user code: the context serves meanwhile
             try:
-                value = _run_action(handler, args, {})
+                if type(handler) is FunctionType:  # _run_action, inline: the commonest
+                    value = handler(*args)
+                    if type(value) is CoroutineType:
+                        value = run_coroutine(value)
+                else:
+                    value = _run_action(handler, args, {})
             finally:
                 svc.leave()
         ok = True
@@ -403,7 +416,10 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
         ok, value = False, e
     finally:
         w.call = None
-    eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
+    if ok and type(value) in marshal.PLAIN:  # _pickle_value's commonest case, inline
+        eng.send_value(a0, (fid, None), True, _pdumps(value, 5), [])
+    else:
+        eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
 
 
 def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
 from ..core import errors, marshal
-from ..core.context import current_engine
+from ..core.context import as_int, current_engine
 from ..core.future import CallSite, Future, running_computation
+from ..core.threads import getcurrent
 from . import memory, shmbarrier
 from .model import HANDLERS, KIND, Handle, _name, action_head, env_timeout, model_of
 
@@ -52,8 +52,11 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
     """
     if not callable(fn):
         raise TypeError(f"mf.spmd(): fn must be callable; got {type(fn).__name__}")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"mf.spmd(): n must be a positive int; got {n!r}")
+    if n is not None:
+        k = as_int(n)
+        if k is None or k < 1:
+            raise ValueError(f"mf.spmd(): n must be a positive int; got {n!r}")
+        n = k
     if timeout is None:
         timeout = env_timeout()
     elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -223,14 +226,13 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
         >>> mf.spmd(main, n=2, transport="inproc")
         [(1, 0), (0, 1)]
     """
-    eng = current_engine()
-    try:
-        if isinstance(rank, bool):
-            raise TypeError
-        rank = operator.index(rank)  # an int, or a numpy integer
-    except TypeError:
+    # current_engine()'s first look, inline: a handler's or method's thread knows its engine
+    eng = getattr(getcurrent(), "engine", None) or current_engine()
+    r = as_int(rank)  # an int, or a numpy integer
+    if r is None:
         raise TypeError(f"mf.remote_action(): rank must be an int (a context id); got "
-                        f"{type(rank).__name__} {rank!r}") from None
+                        f"{type(rank).__name__} {rank!r}")
+    rank = r
     if not 0 <= rank < eng.size:
         raise ValueError(f"mf.remote_action(): rank must be a context in 0..{eng.size - 1}; "
                          f"got {rank!r}")
@@ -238,7 +240,7 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
         raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
                         f"registered handler; got {type(handler).__name__}")
     head, carried = action_head(handler)
-    fid = eng.new_fid()
+    fid = (eng.id, next(eng.seq))  # eng.new_fid(), inline
     try:
         data, bufs = marshal.dumps_args((*args, handler, fid[0], fid[1]) if carried
                                         else (*args, fid[0], fid[1]))
