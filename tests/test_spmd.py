@@ -1315,3 +1315,31 @@ def test_a_remote_action_from_a_thread_takes_few_python_calls_on_each_side():
         there = mf.remote_action(1, _profile_stop, n).wait(30)
     # 31.0 and 24.1 when written (41.0 and 29.1 before the path was trimmed)
     assert here <= 35 and there <= 28, (here, there)
+
+
+def _barrier_rank():
+    mf.barrier()
+    return mf.rank()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["removed", "init failed"])
+def test_a_run_over_a_context_that_has_left_fails_at_once_not_in_its_first_barrier(how):
+    def fail(cid):
+        raise RuntimeError("no")
+
+    def main():
+        if how == "removed":
+            mf.remove_context(1)
+            gone, n = 1, None
+        else:
+            with pytest.raises(mf.MacroflowError):
+                mf.add_contexts(1, init=fail)
+            gone, n = 3, 4
+        with pytest.raises(mf.ContextLost, match=f"ask for n={gone} or fewer") as e:
+            mf.spmd(_barrier_rank, n=n)
+        assert e.value.context == gone
+        return mf.spmd(_barrier_rank, n=gone)  # the contexts before it still run
+
+    ranks = mf.run(main, contexts=3, transport="local")
+    assert ranks == list(range(1 if how == "removed" else 3))

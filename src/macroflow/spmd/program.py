@@ -78,6 +78,14 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     if size > eng.size:
         raise ValueError(f"mf.spmd(): n={n}, but the computation has {eng.size} contexts; "
                          f"add some (mf.add_contexts) or ask for fewer")
+    gone = [r for r in range(size) if r in eng.lost]
+    if gone:
+        # a run's ranks are contexts 0..size-1: one that has left would keep
+        # the others waiting in their first collective
+        raise errors.ContextLost(
+            gone[0], f"{eng.lost[gone[0]]}; an SPMD run's ranks are contexts 0..n-1, so "
+                     f"mf.spmd(n={size}) cannot run without it (contexts gone: {gone}; ask "
+                     f"for n={gone[0]} or fewer)")
     model = model_of(eng)
     run_id = (eng.id, next(model.run_seq))
     # counters in shared memory for the run's barriers, used if every context
