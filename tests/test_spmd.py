@@ -1148,8 +1148,11 @@ def reduce_each_root():
 def test_collectives_that_differ_but_complete_are_reported_when_the_run_ends(transport):
     # their messages crossed without meeting: every context finished, with wrong values
     for fn in (bcast_against_reduce, each_its_own_root):
-        with pytest.raises(mf.CollectiveError, match="called different collectives"):
+        with pytest.raises(mf.CollectiveError, match="called different collectives") as e:
             mf.spmd(fn, n=2, transport=transport)
+    # the message names them: the last collective each context entered, with its root
+    assert "context 0 entered 1, the last mf.broadcast(root=0)" in str(e.value)
+    assert "context 1 entered 1, the last mf.broadcast(root=1)" in str(e.value)
     with pytest.raises(mf.CollectiveError, match="gave root=1 to collective #1"):
         mf.spmd(reduce_each_root, n=2, transport=transport)
 
@@ -1343,3 +1346,23 @@ def test_a_run_over_a_context_that_has_left_fails_at_once_not_in_its_first_barri
 
     ranks = mf.run(main, contexts=3, transport="local")
     assert ranks == list(range(1 if how == "removed" else 3))
+
+
+def allreduce_against_broadcast():
+    return mf.allreduce(1) if mf.rank() == 0 else mf.broadcast(5)
+
+
+def barrier_against_allgather():
+    return mf.barrier() if mf.rank() == 1 else mf.allgather(mf.rank())
+
+
+@pytest.mark.timeout(60)
+def test_collectives_that_differ_and_wait_for_each_other_are_named_not_left_to_hang(transport):
+    # each waits for a message the other will never send: after a second,
+    # a waiting collective asks the others what they called at its place
+    with pytest.raises(mf.CollectiveError, match=r"context 0 called mf\.allreduce\(\) where "
+                       r"context 1 called mf\.broadcast\(root=0\)|context 1 called "
+                       r"mf\.broadcast\(root=0\) where context 0 called mf\.allreduce"):
+        mf.spmd(allreduce_against_broadcast, n=2, transport=transport)
+    with pytest.raises(mf.CollectiveError, match="called different collectives|where context"):
+        mf.spmd(barrier_against_allgather, n=2, transport=transport)

@@ -32,6 +32,8 @@ from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, WAKE, Run, SpmdModel,
                     local_future, model_of)
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
+CHECK_AFTER = 1.0  # a collective still waiting after this long asks the others what they
+# called at its place (and again after twice as long, and so on): a mismatch is an error
 POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sleep at first
 QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us each)
 
@@ -414,16 +416,28 @@ def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any
     return c
 
 
-_SIGNS: dict = {}  # (kind, root) -> what a collective adds to a run's signature
+_SIGNS: dict = {}  # (kind, root) -> what a collective adds to a run's signature, its label
+_ROOTED = ("broadcast", "reduce")
+
+
+def label(kind: str, root: int) -> str:
+    """How errors name a collective: its function, and its root if it has one.
+
+    Example:
+        >>> label("broadcast", 1), label("barrier", 0)
+        ('mf.broadcast(root=1)', 'mf.barrier()')
+    """
+    return f"mf.{kind}(root={root})" if kind in _ROOTED else f"mf.{kind}()"
 
 
 def _entered(model: SpmdModel, run: Run, kind: str, root: int) -> None:
     run.entered += 1
     # what this context called, in order: compared between contexts when the run ends
-    sign = _SIGNS.get((kind, root))
-    if sign is None:
-        sign = _SIGNS[(kind, root)] = f"{kind}@{root};".encode()
-    run.signature = zlib.crc32(sign, run.signature)
+    known = _SIGNS.get((kind, root))
+    if known is None:
+        known = _SIGNS[(kind, root)] = (f"{kind}@{root};".encode(), label(kind, root))
+    run.signature = zlib.crc32(known[0], run.signature)
+    run.last = known[1]
     model.counts["spmd_collectives"] += 1
 
 
@@ -473,22 +487,28 @@ def _wait(c: Collective, timeout: Optional[float]) -> Any:
             quick()
             if f._state:
                 break
-    try:
-        return f.result(timeout)
-    except errors.TimeoutError:
-        if c.future.done():
-            return c.future.result()
-    raise _timed_out(c, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    check = CHECK_AFTER
+    while True:
+        # wait in slices: after each, ask the others what they called here
+        left = None if deadline is None else deadline - time.monotonic()
+        try:
+            return f.result(check if left is None else max(0.0, min(check, left)))
+        except errors.TimeoutError:
+            if f.done():
+                return f.result()
+        if left is not None and left <= check:
+            raise _timed_out(c, timeout)  # type: ignore[arg-type]
+        err = _mismatch(c)
+        if err is not None:
+            engine_side(c.model.eng, _give_up, c, err)
+            raise err
+        check *= 2
 
 
-def _check_timeout(timeout: Any, name: str) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{name}: timeout must be a number of seconds > 0, or None; "
-                         f"got {timeout!r}")
-
-
-def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
-    """Ask every other context how far it got; name those that did not arrive."""
+def _ask(c: Collective) -> None:
+    """Ask every other context of ``c``'s run how far it got (its answers
+    fill ``run.status``); wait STATUS_WAIT seconds at most for them."""
     eng = c.model.eng
     run = c.run
     wait = local_future(eng)
@@ -507,6 +527,36 @@ def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
         wait.result(STATUS_WAIT)
     except errors.TimeoutError:
         pass
+
+
+def _mismatch(c: Collective) -> Optional[errors.CollectiveError]:
+    """The error for another context that waits, at ``c``'s place in the
+    run, in another collective (or the same with another root); None if none
+    does."""
+    _ask(c)
+    mine = label(c.kind, c.root)
+    for r, got in sorted(c.run.status.items()):
+        for seq, kind, root in got[2]:
+            if seq == c.seq and (kind, root) != (c.kind, c.root):
+                return errors.CollectiveError(
+                    f"{c.name} (collective #{c.seq + 1} of the run): context {c.run.rank} "
+                    f"called {mine} where context {r} called {label(kind, root)}; every "
+                    f"context must call the same collectives, with the same root, in the "
+                    f"same order", missing=[])
+    return None
+
+
+def _check_timeout(timeout: Any, name: str) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{name}: timeout must be a number of seconds > 0, or None; "
+                         f"got {timeout!r}")
+
+
+def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
+    """Ask every other context how far it got; name those that did not arrive."""
+    eng = c.model.eng
+    run = c.run
+    _ask(c)
     missing, lines = [], []
     for r in range(run.size):
         if r == run.rank:

@@ -228,7 +228,7 @@ class Run:
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
                  "failed", "aborted", "status", "status_wait", "call_fid", "natives", "counters",
                  "shm",
-                 "signature", "offered", "told")
+                 "signature", "offered", "told", "last")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
         self.ident = ident
@@ -243,7 +243,8 @@ class Run:
         # another context's function failed, or a context was lost: the run
         # cannot complete, and mf.poll() in this context's function raises it
         self.aborted: Optional[BaseException] = None
-        self.status: Dict[int, Tuple[int, str]] = {}  # answers to STATUS
+        # answers to STATUS: rank -> (entered, where, (seq, kind, root) of each pending)
+        self.status: Dict[int, Tuple[int, str, tuple]] = {}
         self.status_wait: Optional[Future] = None
         self.call_fid: Any = None
         self.natives: Any = _UNKNOWN  # the transport's own collectives for the run, or None
@@ -252,6 +253,7 @@ class Run:
         self.offered = False  # barriers go in shared memory if every context can map it
         self.told = False  # `failed` is another context's failure, which it told everyone
         self.signature = 0  # a CRC of the collectives entered, kinds and roots, in order
+        self.last = ""  # the last collective entered, as errors name it
 
 
 class SpmdCalls(CallKind):
@@ -522,7 +524,7 @@ class SpmdModel(Model):
         try:
             value = fn(*args)
             # with what it called, for mf.spmd to check that every context agreed
-            return value, run.entered, run.signature, run.failed is not None
+            return value, run.entered, run.signature, run.failed is not None, run.last
         except BaseException as e:
             failure = f"{type(e).__name__}: {e}"
             raise
@@ -772,6 +774,7 @@ def _serve_run_message(eng: Engine, src: int, msg: tuple) -> None:
 def _serve_status(eng: Engine, src: int, msg: tuple) -> None:
     model = eng.models[SpmdModel.name]
     run = model.runs.get(msg[1])
+    waiting: tuple = ()
     if run is None:
         entered, where = 0, "has not started the run's function"
     else:
@@ -780,7 +783,8 @@ def _serve_status(eng: Engine, src: int, msg: tuple) -> None:
         where = (f"waits in collective #{pending[-1] + 1} ({run.colls[pending[-1]].name})"
                  if pending else ("has ended its function" if run.call_fid not in model.by_call
                                   else "computes"))
-    model.send(src, (STATUS_REPLY, msg[1], eng.id, entered, where))
+        waiting = tuple((seq, run.colls[seq].kind, run.colls[seq].root) for seq in pending)
+    model.send(src, (STATUS_REPLY, msg[1], eng.id, entered, where, waiting))
 
 
 def _serve_status_reply(eng: Engine, src: int, msg: tuple) -> None:
@@ -788,7 +792,7 @@ def _serve_status_reply(eng: Engine, src: int, msg: tuple) -> None:
     run = model.runs.get(msg[1])
     if run is None:
         return
-    run.status[msg[2]] = (msg[3], msg[4])
+    run.status[msg[2]] = (msg[3], msg[4], msg[5])
     if run.status_wait is not None and len(run.status) >= run.size - 1:
         run.status_wait._set(True, None)
 

@@ -101,10 +101,10 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     failures = []
     for r, f in enumerate(futures):
         try:
-            value, entered, signature, caught = f.result()
+            value, entered, signature, caught, last = f.result()
             results.append(value)
             # a context that caught a collective's error knows the run went wrong
-            called.append(None if caught else (entered, signature))
+            called.append(None if caught else (entered, signature, last))
         except errors.Terminated:
             raise  # this process was asked to end (SIGTERM): not a context's failure
         except SystemExit as e:
@@ -117,13 +117,14 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     del counters  # the contexts that mapped them keep their mapping
     if failures:
         raise _cause(failures)
-    if None not in called and any(c != called[0] for c in called):
+    if None not in called and any(c[:2] != called[0][:2] for c in called):
         # a collective whose messages crossed (a broadcast against a reduce,
         # different roots) can complete everywhere with wrong values
         raise errors.CollectiveError(
             "the contexts of the run called different collectives (kind, root or order) and "
-            "the results may be wrong: " + ", ".join(
-                f"context {r} entered {c[0]} (signature {c[1]:08x})" for r, c in enumerate(called)),
+            "the results may be wrong: " + "; ".join(
+                f"context {r} entered {c[0]}" + (f", the last {c[2]}" if c[2] else "")
+                + f" (signature {c[1]:08x})" for r, c in enumerate(called)),
             missing=[])
     return results
 
