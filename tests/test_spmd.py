@@ -1366,3 +1366,50 @@ def test_collectives_that_differ_and_wait_for_each_other_are_named_not_left_to_h
         mf.spmd(allreduce_against_broadcast, n=2, transport=transport)
     with pytest.raises(mf.CollectiveError, match="called different collectives|where context"):
         mf.spmd(barrier_against_allgather, n=2, transport=transport)
+
+
+MISMATCH_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import macroflow as mf
+
+    def arrays(kind):
+        me = mf.rank()
+        if kind == "shape":
+            a = np.ones(3 + me)
+        elif kind == "dtype":
+            a = np.ones(3, np.float64 if me == 0 else np.int64)
+        else:  # a size MPI would wait for for ever
+            a = np.ones(3 if me == 0 else 100_000)
+        try:
+            mf.allreduce(a)
+            return "no error"
+        except mf.CollectiveError as e:
+            return str(e)
+
+    def main():
+        out = [mf.spmd(arrays, kind) for kind in ("shape", "dtype", "huge")]
+        out.append(mf.spmd(lambda: mf.allreduce(np.ones(2) * (mf.rank() + 1)).tolist()))
+        return out
+
+    if __name__ == "__main__":
+        print(repr(mf.run(main)))
+""")
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_arrays_that_differ_in_an_allreduce_fail_it_rather_than_sum_garbage(
+        tmp_path):
+    from conftest import MPI_MISSING
+    if MPI_MISSING:
+        pytest.skip(MPI_MISSING)
+    from macroflow.transport.mpi import _find_mpiexec
+    path = tmp_path / "job.py"
+    path.write_text(MISMATCH_SCRIPT)
+    p = subprocess.run([_find_mpiexec(), "-n", "2", sys.executable, str(path)],
+                       capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr
+    *errs, fine = eval(p.stdout.strip().splitlines()[-1])
+    for per_rank in errs:
+        assert len(per_rank) == 2
+        assert all("gave arrays of different dtypes or shapes" in e for e in per_rank), per_rank
+    assert fine == [[3.0, 3.0], [3.0, 3.0]]  # the ranks go on with the next run

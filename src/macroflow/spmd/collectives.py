@@ -170,7 +170,12 @@ class Collective:
             if not op.test():
                 return False
             if not self.future._state:
-                self.complete(op.result())
+                try:
+                    value = op.result()
+                except errors.CollectiveError as e:
+                    self.fail(errors.CollectiveError(f"{self.name}: {e}", missing=[]))
+                else:
+                    self.complete(value)
             return True
 
         if not poll():

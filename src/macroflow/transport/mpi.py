@@ -94,6 +94,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -2466,7 +2467,8 @@ class NativeCollective:
     """One collective of :class:`MpiCollectives` in progress: ``test()``
     makes progress and says whether it is done; ``result()`` then."""
 
-    __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done")
+    __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done", "sig",
+                 "error")
 
     def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any, index: int):
         self.owner = owner
@@ -2477,6 +2479,8 @@ class NativeCollective:
         self.req: Any = None
         self.out: Any = None
         self.done = False
+        self.sig: Any = None  # an allreduce's check that every rank gave the same array kind
+        self.error: Optional[str] = None  # they did not: what result() raises
 
     def spec(self) -> tuple:
         """(kind, dtype, shape, op): enough for another rank to join it."""
@@ -2499,13 +2503,45 @@ class NativeCollective:
             if self.kind == "barrier":
                 self.req = owner.comm.Ibarrier()
             else:
+                # First a reduction of two numbers that tells whether every
+                # rank gave an array of the same dtype and shape (and op):
+                # MPI would reduce mismatched buffers into wrong numbers, or
+                # wait for ever for bytes that never come. Every rank sees
+                # the same answer, so all of them go on, or none.
                 import numpy as np
-                self.out = np.empty_like(self.value)
-                ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-                self.req = owner.comm.Iallreduce(self.value, self.out, op=ops[self.op])
-        if self.req.Test():
-            self.done = True
-        return self.done
+                v = self.value
+                h = zlib.crc32(f"{v.dtype.str}{v.shape}{self.op}".encode())
+                self.sig = (np.array([h, -h], np.int64), np.empty(2, np.int64))
+                self.req = owner.comm.Iallreduce(self.sig[0], self.sig[1], op=MPI.MAX)
+        if not self.req.Test():
+            return False
+        if self.sig is not None:
+            got = self.sig[1]
+            self.sig = None
+            if got[0] != -got[1]:
+                v = self.value
+                self.error = (f"the contexts gave arrays of different dtypes or shapes (this "
+                              f"one: {v.dtype} {v.shape}); under MPI every context must "
+                              f"give the same")
+                self.done = True
+                return True
+            import numpy as np
+            MPI = owner.MPI
+            self.out = np.empty_like(self.value)
+            ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+            self.req = owner.comm.Iallreduce(self.value, self.out, op=ops[self.op])
+            if not self.req.Test():
+                return False
+        self.done = True
+        return True
 
     def result(self) -> Any:
+        """The reduced array (None for a barrier).
+
+        Raises:
+            macroflow.CollectiveError: the ranks' arrays differed in dtype or shape.
+        """
+        if self.error is not None:
+            from ..core.errors import CollectiveError
+            raise CollectiveError(self.error, missing=[])
         return self.out
