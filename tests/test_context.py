@@ -12,7 +12,7 @@ import macroflow as mf
 from macroflow.core import context as ctxmod
 from macroflow.transport.local import LocalTransport
 
-from common import Gate, Ref
+from common import Gate, Ref, profile_start, profile_stop, python_calls
 
 
 @mf.persistent
@@ -698,31 +698,7 @@ def test_a_pooled_worker_keeps_no_reference_to_the_arguments_of_its_tasks():
         assert gone() is None
 
 
-# The hot path, counted: Python-level calls per null call on each side,
-# cProfile's count (not a time, so not at the mercy of a shared machine);
-# the transport's spin, which loops as long as the wait lasts, is left out.
-_SPIN = {"_rings", "_spin", "_progress"}
-_profile = []
-
-
-def _python_calls(profile, n):
-    import pstats
-    st = pstats.Stats(profile)
-    return sum(nc for (f, _, name), (_, nc, _, _, _) in st.stats.items()
-               if f != "~" and name not in _SPIN) / n
-
-
-def _profile_start():
-    import cProfile
-    _profile[:] = [cProfile.Profile()]
-    _profile[0].enable()
-
-
-def _profile_stop(n):
-    _profile[0].disable()
-    return _python_calls(_profile[0], n)
-
-
+# The hot path, counted (see common.python_calls)
 @pytest.mark.timeout(60)
 def test_a_null_call_takes_few_python_calls_on_each_side():
     import cProfile
@@ -732,13 +708,13 @@ def test_a_null_call_takes_few_python_calls_on_each_side():
         for i in range(300):
             w.null(i).result(10)
         n = 2000
-        mf.remote_action(1, _profile_start).wait(10)
+        mf.remote_action(1, profile_start).wait(10)
         prof = cProfile.Profile()
         prof.enable()
         for i in range(n):
             w.null(i).result()  # (the test's timeout guards it: a wait with one takes more calls)
         prof.disable()
-        return _python_calls(prof, n), mf.remote_action(1, _profile_stop, n).wait(10)
+        return python_calls(prof, n), mf.remote_action(1, profile_stop, n).wait(10)
 
     caller, callee = mf.run(main, contexts=2, transport="local")
     # 22.1 and 22.3 when written (30.5 and 31.3 before the hot path was trimmed)

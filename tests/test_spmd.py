@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import macroflow as mf
+from common import profile_start, profile_stop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -1276,36 +1277,13 @@ def test_an_async_def_remote_action_runs_to_its_end_and_numpy_ranks_are_taken(tr
     assert res == [(11, 10, "b"), "b"]
 
 
-# The remote action's path, counted as the null call's is (tests/test_context.py):
-# Python-level calls per round trip from a thread of context 0, whose waits
-# park it, and on context 1, the spin left out.
-_SPIN = {"_rings", "_spin", "_progress"}
-_profile = []
-
-
-def _python_calls(profile, n):
-    import pstats
-    st = pstats.Stats(profile)
-    return sum(nc for (f, _, name), (_, nc, _, _, _) in st.stats.items()
-               if f != "~" and name not in _SPIN) / n
-
-
-def _profile_start():
-    import cProfile
-    _profile[:] = [cProfile.Profile()]
-    _profile[0].enable()
-
-
-def _profile_stop(n):
-    _profile[0].disable()
-    return _python_calls(_profile[0], n)
-
-
 def _pongs(n):
-    _profile_start()
+    # a remote action's round trip from a thread of context 0, whose waits park
+    # it, counted as the null call's is (see common.python_calls)
+    profile_start()
     for _ in range(n):
         mf.remote_action(1, pong).wait()
-    return _profile_stop(n)
+    return profile_stop(n)
 
 
 @pytest.mark.timeout(60)
@@ -1313,9 +1291,9 @@ def test_a_remote_action_from_a_thread_takes_few_python_calls_on_each_side():
     with mf.init(contexts=2, transport="local"):
         mf.remote_action(0, _pongs, 200).wait(30)
         n = 2000
-        mf.remote_action(1, _profile_start).wait(30)
+        mf.remote_action(1, profile_start).wait(30)
         here = mf.remote_action(0, _pongs, n).wait(30)  # a thread of context 0
-        there = mf.remote_action(1, _profile_stop, n).wait(30)
+        there = mf.remote_action(1, profile_stop, n).wait(30)
     # 31.0 and 24.1 when written (41.0 and 29.1 before the path was trimmed)
     assert here <= 35 and there <= 28, (here, there)
 
@@ -1413,3 +1391,24 @@ def test_under_mpiexec_arrays_that_differ_in_an_allreduce_fail_it_rather_than_su
         assert len(per_rank) == 2
         assert all("gave arrays of different dtypes or shapes" in e for e in per_rank), per_rank
     assert fine == [[3.0, 3.0], [3.0, 3.0]]  # the ranks go on with the next run
+
+
+def _bad_timeouts_when_done():
+    h = mf.remote_action(1 - mf.rank(), len, "ab")
+    assert h.wait() == 2
+    out = []
+    for bad in (-1, "x", float("nan"), True):
+        for wait in (h.wait, h._f.result, h._f.exception):
+            try:
+                wait(timeout=bad)
+                out.append("accepted")
+            except (ValueError, TypeError) as e:
+                out.append(type(e).__name__)
+    mf.barrier()
+    return out, h.wait(timeout=0), h.wait(timeout=float("inf"))
+
+
+def test_a_bad_timeout_is_refused_even_when_the_handle_or_future_is_done():
+    out, a, b = mf.spmd(_bad_timeouts_when_done, n=2, transport="inproc")[0]
+    assert out == ["ValueError"] * 3 + ["TypeError"] * 3 + ["ValueError"] * 3 + ["TypeError"] * 3
+    assert a == b == 2

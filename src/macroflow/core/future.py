@@ -131,6 +131,8 @@ class Future:
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
+        elif timeout is not None:
+            _check_timeout(timeout)  # a bad one is refused even when nothing need wait
         if self._exc is not None:
             raise self._exc
         return self._value
@@ -150,6 +152,8 @@ class Future:
         """
         if self._state != FINISHED:
             self._engine.wait_future(self, timeout)
+        elif timeout is not None:
+            _check_timeout(timeout)
         return self._exc
 
     def add_done_callback(self, fn: Callable[["Future"], Any]) -> None:
@@ -349,6 +353,11 @@ def stale_future(f: Future) -> errors.StaleReference:
 
 # -- coroutine methods -----------------------------------------------------------
 CoroutineType = types.CoroutineType
+
+
+def _check_timeout(timeout: Any) -> None:
+    from .context import check_timeout  # (context imports this module)
+    check_timeout(timeout)
 
 
 def run_coroutine(coro: Any) -> Any:

@@ -183,10 +183,8 @@ class Handle:
             [1024, 1024]
         """
         f = self._f
-        if timeout is None or f._state == FINISHED:
-            return f.result(timeout)
-        timeout = check_timeout(timeout)
-        if timeout is None:  # math.inf
+        timeout = check_timeout(timeout)  # a bad one is refused even when the handle is done
+        if timeout is None or f._state == FINISHED:  # (math.inf: None)
             return f.result()
         deadline = time.monotonic() + timeout
         arrived = self._arrived
