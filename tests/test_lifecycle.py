@@ -582,3 +582,30 @@ def test_contexts_added_by_a_numpy_count():
         return mf.add_contexts(np.int64(1)), mf.num_contexts()
 
     assert mf.run(main, contexts=2, transport="local") == ([2], 3)
+
+
+def _cpus():
+    return sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to bind contexts to")
+def test_pinning_puts_each_context_on_a_cpu_of_its_own_and_gives_context_0_its_cpus_back(
+        monkeypatch):
+    cpus = _cpus()
+    monkeypatch.setenv("MACROFLOW_PIN", "1")
+
+    def main():
+        got = [mf.remote_action(c, _cpus).wait(30) if c else _cpus() for c in range(2)]
+        extra = mf.add_contexts(len(cpus) - 1)  # up to one more than the CPUs
+        return got, mf.remote_action(extra[-1], _cpus).wait(30)
+
+    got, last = mf.run(main, contexts=2, transport="local")
+    assert got == [[cpus[0]], [cpus[1]]]
+    assert last == cpus  # beyond the CPUs: anywhere
+    assert _cpus() == cpus  # context 0's own again
+    monkeypatch.setenv("MACROFLOW_PIN", "maybe")
+    with pytest.raises(ValueError, match="MACROFLOW_PIN"):
+        mf.run(mf.num_contexts, contexts=2, transport="local")
+    assert _cpus() == cpus
