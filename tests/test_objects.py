@@ -1056,3 +1056,53 @@ def test_create_takes_a_numpy_integer_context_id_and_refuses_a_bool(run):
         return got
 
     assert run(main, contexts=2) == [1, 0]
+
+
+RELAY_SCRIPT = textwrap.dedent("""
+    import os, subprocess, sys
+    import macroflow as mf
+
+    def inc(x):
+        return x + 1
+
+    @mf.persistent
+    class R:
+        def apply(self, f, x):
+            return f(x)
+
+        def relay(self, x):
+            # from context 1, a __main__ class and function to context 2
+            return R.create(on=2).apply(inc, x).result(30)
+
+    def main():
+        return R.create(on=1).relay(1).result(30)
+
+    if __name__ == "__main__":
+        if sys.argv[1] == "mpi":
+            print("GOT", mf.run(main, contexts=3, transport="mpi"))
+        else:  # two contexts of a worker joined over TCP
+            os.environ["MACROFLOW_SECRET"] = "s" * 32
+            with mf.init(contexts=1, listen="127.0.0.1:0") as s:
+                w = subprocess.Popen([sys.executable, "-m", "macroflow", "worker", "--connect",
+                                      s.launcher.address, "-n", "2"])
+                mf.wait_contexts(3, timeout=60)
+                print("GOT", main())
+            w.wait(60)
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["mpi", "tcp"])
+def test_main_definitions_go_on_by_value_from_contexts_that_did_not_run_the_script(tmp_path, how):
+    # spawned MPI ranks and TCP workers never ran the program: what its
+    # __main__ defined reaches them by value, and must leave them by value
+    if how == "mpi":
+        from conftest import MPI_MISSING
+        if MPI_MISSING:
+            pytest.skip(MPI_MISSING)
+    path = tmp_path / "relay.py"
+    path.write_text(RELAY_SCRIPT)
+    p = subprocess.run([sys.executable, str(path), how], capture_output=True, text=True,
+                       timeout=150)
+    assert p.returncode == 0, p.stderr
+    assert "GOT 2" in p.stdout, (p.stdout, p.stderr)

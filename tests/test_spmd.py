@@ -1412,3 +1412,22 @@ def test_a_bad_timeout_is_refused_even_when_the_handle_or_future_is_done():
     out, a, b = mf.spmd(_bad_timeouts_when_done, n=2, transport="inproc")[0]
     assert out == ["ValueError"] * 3 + ["TypeError"] * 3 + ["ValueError"] * 3 + ["TypeError"] * 3
     assert a == b == 2
+
+
+def _collective_timeouts():
+    out = []
+    for bad in ("x", None.__class__, True, -1, 0, float("nan")):
+        try:
+            mf.barrier(timeout=bad)
+            out.append("accepted")
+        except (TypeError, ValueError) as e:
+            out.append(type(e).__name__)
+    mf.barrier(timeout=np.float64(30))  # numpy numbers are numbers
+    return out
+
+
+def test_a_collective_refuses_a_timeout_that_is_no_number_with_a_type_error_as_result_does():
+    out = mf.spmd(_collective_timeouts, n=2, transport="inproc")[0]
+    assert out == ["TypeError"] * 3 + ["ValueError"] * 3
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        mf.spmd(_collective_timeouts, n=1, transport="inproc", timeout="soon")

@@ -315,6 +315,9 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
     out = out if out is not None else sys.stderr
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1; got {n!r}")
+    # this process runs none of the program's script: what its __main__ defined
+    # comes by value, and goes on by value (to a third context, say)
+    marshal.main_by_value()
     host, port = parse_address(connect)
     secret = secret if secret is not None else load_secret()
     if bind is None:

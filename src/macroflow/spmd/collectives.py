@@ -552,7 +552,13 @@ def _mismatch(c: Collective) -> Optional[errors.CollectiveError]:
 
 
 def _check_timeout(timeout: Any, name: str) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    # as result() does: TypeError for what is no number, ValueError for a number
+    # that is no timeout (a collective's must be > 0: at 0 none could complete)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                             np.floating)):
+        raise TypeError(f"{name}: timeout must be a number of seconds > 0, or None; "
+                        f"got {timeout!r}")
+    if not timeout > 0:
         raise ValueError(f"{name}: timeout must be a number of seconds > 0, or None; "
                          f"got {timeout!r}")
 

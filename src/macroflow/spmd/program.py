@@ -59,7 +59,11 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
         n = k
     if timeout is None:
         timeout = env_timeout()
-    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                               np.floating)):
+        raise TypeError(f"mf.spmd(): timeout must be a number of seconds > 0, or None; "
+                        f"got {timeout!r}")
+    elif not timeout > 0:
         raise ValueError(f"mf.spmd(): timeout must be a number of seconds > 0, or None; "
                          f"got {timeout!r}")
     if running_computation() is None:

@@ -1814,7 +1814,9 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
     setup = _poll_messages(comm, SETUP, 1, "waiting for context 0", None,
                            lambda have: "context 0")[0]
     if spawned:
-        marshal.forget_main_snapshot()  # nothing of this process's __main__ is sent
+        # this process ran none of the program's script: what its __main__
+        # defined comes by value, and goes on by value (to a third context)
+        marshal.main_by_value()
     else:
         marshal.snapshot_main()  # the same script runs everywhere: what it defined exists here
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -1876,7 +1878,7 @@ def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank adde
                         lambda have: "context 0")[0]
     if go is None:
         return  # context 0 gave up on adding contexts
-    marshal.forget_main_snapshot()  # nothing of this process's __main__ is sent
+    marshal.main_by_value()  # it ran none of the program's script (see _serve)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inter = MPI.COMM_WORLD.Create_intercomm(0, parent, 0, GROW_TAG)
     comm = inter.Merge(high=True)
