@@ -266,3 +266,33 @@ def test_a_joined_worker_is_removed_and_ends():
             obj.here().result()
     assert got == 2 and states == ["running", "running", "removed"]
     assert code == 0, err
+
+
+LISTENER = """
+import os, sys, time
+import macroflow as mf
+with mf.init(contexts=1, listen="127.0.0.1:0") as s:
+    print(s.launcher.address, flush=True)
+    mf.wait_contexts(2, timeout=60)
+    print("joined", flush=True)
+    time.sleep(120)  # killed before this ends
+"""
+
+
+def test_a_worker_whose_computation_dies_says_so_and_exits_non_zero():
+    env = {**os.environ, "MACROFLOW_SECRET": SECRET}
+    main = subprocess.Popen([sys.executable, "-c", LISTENER], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        address = main.stdout.readline().strip()
+        worker = start_worker(address)
+        assert main.stdout.readline().strip() == "joined"
+        main.kill()  # context 0's process, outright
+        main.wait(30)
+        code, err = finish(worker, timeout=60)
+    finally:
+        if main.poll() is None:
+            main.kill()
+        main.communicate()
+    assert code == 1, err
+    assert "context 1: the computation's context 0 was lost" in err

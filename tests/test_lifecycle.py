@@ -609,3 +609,15 @@ def test_pinning_puts_each_context_on_a_cpu_of_its_own_and_gives_context_0_its_c
     with pytest.raises(ValueError, match="MACROFLOW_PIN"):
         mf.run(mf.num_contexts, contexts=2, transport="local")
     assert _cpus() == cpus
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], "the following arguments are required: COMMAND"),
+    (["run", "-n", "2"], "macroflow run: error: the script to run is required"),
+    (["run", "--bogus", "job.py"], "macroflow run: error: unrecognized arguments: --bogus"),
+    (["bench", "--bogus"], "macroflow bench: error: unrecognized arguments: --bogus"),
+])
+def test_the_command_line_names_what_is_wrong_in_the_commands_own_words(argv, words):
+    r = subprocess.run([sys.executable, "-m", "macroflow", *argv], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and words in r.stderr, r.stderr

@@ -359,21 +359,23 @@ def build_parser() -> argparse.ArgumentParser:
     from macroflow import __version__
     p = argparse.ArgumentParser(prog="macroflow", description="parallel objects and macro dataflow")
     p.add_argument("--version", action="version", version=f"macroflow {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+                           title="commands (macroflow COMMAND --help for more)")
     r = sub.add_parser("run", help="run a script's main() on N contexts")
     r.add_argument("-n", type=positive_int, default=None, metavar="N",
                    help="number of contexts (default: CPU count)")
     r.add_argument("--transport", default=None, choices=sorted(REGISTRY),
-                   help="local (default), inproc, or mpi (ranks of mpiexec, which it launches; "
-                        "the default under mpiexec)")
+                   help="local (default), inproc, tcp, or mpi (ranks of mpiexec, which it "
+                        "launches; the default under mpiexec)")
     r.add_argument("--placement", default=None, choices=POLICIES,
                    help="round-robin (default), random or best-most-recently")
     r.add_argument("--main", default="main", help="the function to run (default: main)")
     r.add_argument("--spmd", action="store_true",
                    help="run main in every context (mf.spmd) and print the list of results "
                         "by rank, instead of main on context 0")
-    r.add_argument("script")
-    r.add_argument("args", nargs=argparse.REMAINDER)
+    # (optional to argparse only so that a missing one is named alone: see main)
+    r.add_argument("script", nargs="?", help="the Python file whose main() runs")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     r.set_defaults(fn=cmd_run, parser=r)
     w = sub.add_parser("worker", help="join a computation over TCP with N contexts")
     w.add_argument("--connect", required=True, metavar="HOST:PORT",
@@ -389,14 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "reaches --connect)")
     w.set_defaults(fn=cmd_worker, parser=w)
     i = sub.add_parser("info", help="versions and transports present")
-    i.set_defaults(fn=cmd_info)
+    i.set_defaults(fn=cmd_info, parser=i)
     b = sub.add_parser("bench", help="run the benchmarks")
     b.add_argument("suite", nargs="?", default="micro", help="micro (default), peers, nexus, baselines, service or tulip")
     b.add_argument("--json", default=None, help="also write every figure to this file")
     b.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     b.add_argument("--peers", default=None, metavar="LIST",
                    help="peers suite: the peers to try, comma-separated (default: ray,dask,mpi4py)")
-    b.set_defaults(fn=cmd_bench)
+    b.set_defaults(fn=cmd_bench, parser=b)
     return p
 
 
@@ -412,7 +414,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         macroflow ...
         0
     """
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    sub = getattr(args, "parser", None) or p
+    if extra:  # the command's own usage, not the top level's
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "run" and args.script is None:
+        sub.error("the script to run is required: macroflow run [options] script.py [args]")
     return args.fn(args)
 
 

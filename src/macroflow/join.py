@@ -365,6 +365,9 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
     return _serve_group(ids, listeners, welcome, secret, tls, out)
 
 
+_LOST_MAIN = 3  # a worker's context left because context 0 was lost
+
+
 def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[str, Any],
                  secret: str, tls: Tuple[Any, Any], out: Any) -> int:
     from .transport.tcp import TcpTransport
@@ -402,6 +405,10 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                 _ctx._state.default = eng
                 if _launch.joined(eng, lambda: None):
                     eng.serve_forever()
+                    if 0 in eng.lost:  # not told to stop: context 0 went away
+                        print(f"macroflow worker: context {ctx}: the computation's context 0 "
+                              f"was lost ({eng.lost[0]}); leaving", file=out, flush=True)
+                        code = _LOST_MAIN
             except BaseException:
                 import traceback
                 text = traceback.format_exc()
@@ -424,6 +431,8 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
             ctx = pids.pop(pid, None)
             if ctx is not None and status != 0:
                 code = 1
+                if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _LOST_MAIN:
+                    continue  # it said why
                 print(f"macroflow worker: context {ctx} {_launch.describe_status(status)}",
                       file=out, flush=True)
     except KeyboardInterrupt:

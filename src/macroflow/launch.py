@@ -219,7 +219,10 @@ class Session:
                             eng.send(c, (SHUTDOWN,))
                         except Exception:
                             pass
-                self.launcher.wait(grace)
+                try:
+                    self.launcher.wait(grace)
+                except KeyboardInterrupt:
+                    pass  # Ctrl-C again (or once more to the group): stop them at once
         finally:
             self.launcher.stop()
             for e in self.launcher.engines():
