@@ -260,6 +260,17 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return s
 
 
+def _who(ctx: int) -> str:
+    """How logs name this end: a context, or a worker still joining (whose id is a
+    guest's, not a context's: see ``multi.GUEST_BASE``).
+
+    Example:
+        >>> _who(3), _who(1 << 31)
+        ('context 3', 'a joining worker')
+    """
+    return "a joining worker" if ctx >= 1 << 31 else f"context {ctx}"
+
+
 class _TlsSocket:
     """A TLS connection that behaves as the plain non-blocking socket that
     LocalTransport's framing drives.
@@ -995,7 +1006,7 @@ class TcpTransport(LocalTransport):
             pass
         if e.connector:
             text = f"connecting to it at {e.where} failed: {r.why}"
-            log.log(r.level, "context %d: %s (context %d)", self.ctx, text, e.dest)
+            log.log(r.level, "%s: %s (context %d)", _who(self.ctx), text, e.dest)
             e.failed = text
             live = any(not c.closed for c in self.links.get(e.dest, ()))
             if not live and not e.background and e.dest not in self.gone:
@@ -1004,8 +1015,8 @@ class TcpTransport(LocalTransport):
                     self.lost(e.dest, text)
         else:
             self.handshakes_failed += 1
-            log.log(r.level, "context %d: connection from %s closed during the handshake: %s",
-                    self.ctx, e.where, r.why)
+            log.log(r.level, "%s: connection from %s closed during the handshake: %s",
+                    _who(self.ctx), e.where, r.why)
 
     def close(self) -> None:
         for e in list(self.shaking.values()):
