@@ -763,3 +763,27 @@ def test_a_frame_over_4_kib_keeps_its_sender_looking_at_mpi_until_it_has_left():
     finally:
         t.close()
 
+
+
+@pytest.mark.timeout(120)
+def test_macroflow_run_blames_the_error_in_main_not_the_ranks_mpi_killed_and_cleans_up(tmp_path):
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    code, out, err = _mpiexec(tmp_path, 2, """
+        def main():
+            raise ValueError("boom in main")
+    """, cli=True)
+    assert code == 1
+    assert err.count("ValueError: boom in main") == 1
+    assert "killed by signal" not in err and "MPI ended the job" not in err, err
+    # the aborted job's shared-memory segment is gone (macroflow run removed it)
+    assert set(glob.glob("/dev/shm/mpich_shm_*")) - before == set()
+
+
+@pytest.mark.timeout(120)
+def test_macroflow_run_reports_a_syntax_error_once_before_any_rank_starts(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, """
+        def main(:
+            pass
+    """, cli=True)
+    assert code == 1
+    assert err.count("SyntaxError") == 1 and "MPI_Abort" not in err, err

@@ -74,6 +74,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if problem is not None:
         args.parser.error(problem)
     if launch_mpiexec:
+        try:  # a script that cannot compile fails here, not once per rank
+            with open(args.script, "rb") as f:
+                compile(f.read(), args.script, "exec")
+        except SyntaxError:
+            import traceback
+            traceback.print_exc(limit=0)
+            return 1
         return _run_under_mpiexec(args)
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
@@ -183,8 +190,8 @@ class FirstToEnd:
         watcher could not see it itself (its parent reaped it first).
         """
         from macroflow.launch import describe_status
-        if not self.first:
-            return None
+        if not self.first or os.path.exists(self.table + ".error"):
+            return None  # (a rank's uncaught error ended the job: it was printed)
         reported = mpiexec_report(output)
         first = list(self.first)
         if len(first) > 1 and reported is not None:
@@ -268,6 +275,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
     if mpiexec is None:
         args.parser.error("--transport mpi needs mpiexec, found neither beside this Python nor "
                           "on PATH (pip install \"macroflow[mpi]\" brings one)")
+    shm_before = _mpich_shm()
     with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
         table = os.path.join(tmp, "contexts")
         env = dict(os.environ, **{CONTEXTS_FILE: table})
@@ -291,7 +299,36 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
             text = watcher.describe(b"".join(report[:4]).decode(errors="replace"))
             if text is not None:
                 print(f"macroflow: {text}", file=sys.stderr)
+            # an aborted job leaves MPICH's shared-memory files behind
+            for path in _mpich_shm() - shm_before:
+                if not _in_use(path):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
         return code
+
+
+def _mpich_shm() -> set:
+    """MPICH's shared-memory files in /dev/shm now."""
+    import glob
+    return set(glob.glob("/dev/shm/mpich_shm_*"))
+
+
+def _in_use(path: str) -> bool:
+    """Whether any process here has ``path`` open or mapped."""
+    import glob
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            for fd in os.listdir(d + "/fd"):
+                if os.readlink(f"{d}/fd/{fd}") == path:
+                    return True
+            with open(d + "/maps") as f:
+                if path in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -1943,6 +1943,13 @@ def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int
         sys.stderr.flush()
     except Exception:
         pass
+    table = os.environ.get(CONTEXTS_FILE)
+    if started and table:
+        try:  # for `macroflow run`: the job ends for this error, printed above
+            with open(table + ".error", "a") as f:
+                f.write(f"{rank}\n")
+        except OSError:
+            pass
     if started:
         # mpiexec forwards our output through a pipe it stops reading when the
         # job is aborted: give it a moment to pass the report on whole
