@@ -1192,6 +1192,12 @@ class MpiTransport(Transport):
             self._aside = False
             return True
         if timeout == 0:
+            if self.signalling and self.waker is not None and self.waker.drain():
+                # served from a signal while user code runs: a peer woke us
+                # for a frame MPI does not show yet (between ranks without a
+                # ring it may take a while): look for it now, as a woken
+                # rank's poll does, or it waits for the service's next round
+                return self._spin(None, woken=True)
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
         own = self.waker.state if self.waker is not None else None
