@@ -621,3 +621,15 @@ def test_the_command_line_names_what_is_wrong_in_the_commands_own_words(argv, wo
     r = subprocess.run([sys.executable, "-m", "macroflow", *argv], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_macroflow_run_shows_a_scripts_error_from_the_scripts_own_code(tmp_path):
+    script = tmp_path / "raises.py"
+    script.write_text("def helper():\n    raise ValueError('from the script')\n\n"
+                      "def main():\n    helper()\n")
+    r = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", str(script)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
+    assert "ValueError: from the script" in r.stderr and "in helper" in r.stderr
+    assert "cli.py" not in r.stderr and "launch.py" not in r.stderr, r.stderr

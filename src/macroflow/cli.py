@@ -97,9 +97,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                             placement=args.placement)
     except KeyboardInterrupt:
         return 130  # mf.run has said what happened; the shell's code for SIGINT
+    except Exception as e:
+        _print_from_script(e)
+        return 1
     if result is not None:
         print(result)
     return 0
+
+
+def _print_from_script(e: BaseException) -> None:
+    """Print ``e`` as Python would, its traceback starting at the script's
+    code: the frames of ``macroflow run`` above it say nothing to its author."""
+    import traceback
+    here = os.path.dirname(os.path.abspath(__file__))
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None and \
+            os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here):
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb)
 
 
 def mpiexec_command(args: argparse.Namespace, mpiexec: str) -> List[str]:
