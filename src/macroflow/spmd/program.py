@@ -12,6 +12,7 @@ from ..core.context import as_int, current_engine
 from ..core.future import CallSite, Future, running_computation
 from ..core.threads import getcurrent
 from . import memory, shmbarrier
+from .collectives import _check_timeout
 from .model import HANDLERS, KIND, Handle, _name, action_head, env_timeout, model_of
 
 
@@ -59,13 +60,8 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
         n = k
     if timeout is None:
         timeout = env_timeout()
-    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                               np.floating)):
-        raise TypeError(f"mf.spmd(): timeout must be a number of seconds > 0, or None; "
-                        f"got {timeout!r}")
-    elif not timeout > 0:
-        raise ValueError(f"mf.spmd(): timeout must be a number of seconds > 0, or None; "
-                         f"got {timeout!r}")
+    else:
+        _check_timeout(timeout, "mf.spmd()")  # as a collective's
     if running_computation() is None:
         from ..launch import run
         return run(_in_computation, fn, args, n, timeout, contexts=n, transport=transport)
