@@ -99,14 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130  # mf.run has said what happened; the shell's code for SIGINT
     except Exception as e:
         _print_from_script(e)
-        from macroflow.transport.mpi import CONTEXTS_FILE
-        table = os.environ.get(CONTEXTS_FILE)
-        if table:  # under `macroflow run --transport mpi`: the job ends for this error
-            try:
-                with open(table + ".error", "a") as f:
-                    f.write("0\n")
-            except OSError:
-                pass
+        from macroflow.transport.mpi import note_job_error
+        note_job_error(0)  # under `macroflow run --transport mpi`: the job's cause
         return 1
     if result is not None:
         print(result)

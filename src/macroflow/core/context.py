@@ -586,17 +586,7 @@ class Engine:
     # ------------------------------------------------------------------ waiting
     def wait_future(self, f: Future, timeout: Optional[float]) -> None:
         if self.user and self.serving != _get_ident():
-            svc = self.service  # self._from_user(self.wait_future, ...), inline
-            svc.leave()
-            try:
-                self.wait_future(f, timeout)
-            except INTERRUPTS:
-                raise
-            except BaseException:
-                svc.enter()
-                raise
-            svc.enter()
-            return
+            return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
             timeout = check_timeout(timeout)
         self.request_value(f)
@@ -694,7 +684,7 @@ class Engine:
         if self.inbox or self.ready or self.lost_queue:
             self.process()
             return
-        if self.timers or self.blocked:  # next_due(), inline
+        if self.timers or self.blocked:  # next_due(), inline: usually neither
             due = self.timers[0][0] if self.timers else None
             if self.blocked and (due is None or self.next_probe < due):
                 due = self.next_probe
@@ -1431,17 +1421,7 @@ class Engine:
     def post_frame(self, dest: int, parts: List[Any]) -> None:
         """Send one encoded frame on behalf of user code (see :func:`rsr_frame`)."""
         if self.user and self.serving != _get_ident():
-            svc = self.service  # self._from_user(self.send_frame, ...), inline
-            svc.leave()
-            try:
-                self.send_frame(dest, parts)
-            except INTERRUPTS:
-                raise
-            except BaseException:
-                svc.enter()
-                raise
-            svc.enter()
-            return
+            return self._from_user(self.send_frame, dest, parts)
         self.send_frame(dest, parts)
 
     def poll(self) -> int:

@@ -48,7 +48,6 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from types import FunctionType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
@@ -183,7 +182,8 @@ class Handle:
             [1024, 1024]
         """
         f = self._f
-        timeout = check_timeout(timeout)  # a bad one is refused even when the handle is done
+        if timeout is not None:
+            timeout = check_timeout(timeout)  # a bad one is refused even when the handle is done
         if timeout is None or f._state == FINISHED:  # (math.inf: None)
             return f.result()
         deadline = time.monotonic() + timeout
@@ -303,7 +303,6 @@ def _name(fn: Any) -> str:
 #: the SPMD model of the context it goes to
 ACTION = ("action", 0)
 _HEADS_MAX = 256  # handlers whose request heads are kept; more start afresh
-_pdumps = pickle.dumps
 _heads: Dict[Any, bytes] = {}
 
 
@@ -401,12 +400,7 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
         else:
             svc.enter()  # user code: the context serves meanwhile
             try:
-                if type(handler) is FunctionType:  # _run_action, inline: the commonest
-                    value = handler(*args)
-                    if type(value) is CoroutineType:
-                        value = run_coroutine(value)
-                else:
-                    value = _run_action(handler, args, {})
+                value = _run_action(handler, args, {})
             finally:
                 svc.leave()
         ok = True
@@ -416,8 +410,8 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
         ok, value = False, e
     finally:
         w.call = None
-    if ok and type(value) in marshal.PLAIN:  # _pickle_value's commonest case, inline
-        eng.send_value(a0, (fid, None), True, _pdumps(value, 5), [])
+    if ok and type(value) in marshal.PLAIN:  # _pickle_value's first case, inline
+        eng.send_value(a0, (fid, None), True, pickle.dumps(value, 5), [])
     else:
         eng.send_value(a0, (fid, None), *eng._pickle_value(ok, value))
 

@@ -237,7 +237,7 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
     """
     # current_engine()'s first look, inline: a handler's or method's thread knows its engine
     eng = getattr(getcurrent(), "engine", None) or current_engine()
-    r = as_int(rank)  # an int, or a numpy integer
+    r = rank if type(rank) is int else as_int(rank)  # an int, or a numpy integer
     if r is None:
         raise TypeError(f"mf.remote_action(): rank must be an int (a context id); got "
                         f"{type(rank).__name__} {rank!r}")

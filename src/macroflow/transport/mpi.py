@@ -704,21 +704,13 @@ class MpiTransport(Transport):
                 r = self.rout.get(dest)
             if r is not None:
                 if len(parts) == 1:
-                    # the commonest frame: _ring_send's first case, and
-                    # _wake_ring, inline
+                    # the commonest frame: _ring_send's first case, inline
                     d = parts[0]
                     if (type(d) is bytes or type(d) is bytearray) and len(d) <= self.rmax:
                         if not r.put(d, load):
                             self._wait_ring(dest, r, d, load, 0)
                         self.ring_sent += 1
-                        lock = _ring._fence_lock
-                        lock.acquire()
-                        lock.release()
-                        bell = r.bell
-                        if bell[_ring.NAP]:
-                            bell[_ring.NAP] = 0
-                            self.wakeups += 1
-                            self.waker.wake(self.wakes[dest])  # type: ignore[union-attr]
+                        self._wake_ring(dest, r)
                         return 16 + len(d)
                 return self._ring_send(dest, r, parts, load, True)
         self._check(dest)
@@ -1949,18 +1941,29 @@ def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int
         sys.stderr.flush()
     except Exception:
         pass
-    table = os.environ.get(CONTEXTS_FILE)
-    if started and table:
-        try:  # for `macroflow run`: the job ends for this error, printed above
-            with open(table + ".error", "a") as f:
-                f.write(f"{rank}\n")
-        except OSError:
-            pass
     if started:
+        note_job_error(rank)
         # mpiexec forwards our output through a pipe it stops reading when the
         # job is aborted: give it a moment to pass the report on whole
         time.sleep(0.2)
         _MPI.COMM_WORLD.Abort(1)
+
+
+def note_job_error(rank: int) -> None:
+    """Under ``macroflow run --transport mpi``, note that rank ``rank``'s
+    uncaught error (printed already) is what ends the job, so that the
+    command does not blame the ranks MPI ends after it; nothing elsewhere.
+
+    Example:
+        >>> note_job_error(0)  # not under macroflow run: nothing to note
+    """
+    table = os.environ.get(CONTEXTS_FILE)
+    if table:
+        try:
+            with open(table + ".error", "a") as f:
+                f.write(f"{rank}\n")
+        except OSError:
+            pass
 
 
 def _start_mpi_for_abort(wait: float = 10.0) -> bool:
