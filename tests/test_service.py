@@ -674,3 +674,59 @@ def test_quick_service_bench_writes_every_figure(tmp_path, capsys):
             assert r["n_requests"] == 1 and r["served_while_busy"] == 0, r
     assert [b["pass"] for b in res["bars"]] == [
         b["value"] is not None and b["value"] < b["limit"] for b in res["bars"]]
+
+
+class _FakeTransport:
+    def signal_arrivals(self, on, again=False):
+        return True
+
+
+class _FakeEngine:
+    id, user, epoch, serving, closed, service_cpu = 1, False, 0, 0, False, 0.0
+    transport = _FakeTransport()
+
+    def serve_arrived(self):
+        return 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["poll", "signal"])
+def test_user_code_and_engine_code_switch_the_service_however_they_end(kind):
+    # Service.run_user brackets a method (enter ... leave), run_engine brackets
+    # the engine's work for user code (leave ... enter); ServiceSignal has
+    # both inline, and both must leave the flags as the bracket says, on
+    # return and on an exception alike
+    from macroflow.core.threads import Service, ServiceSignal
+    eng = _FakeEngine()
+    svc = Service(eng) if kind == "poll" else ServiceSignal(eng, look=0.001)
+    try:
+        seen = []
+
+        def engine_work(x):
+            seen.append(("engine", eng.user))
+            return x + 1
+
+        def method(x):
+            seen.append(("user", eng.user))
+            return svc.run_engine(engine_work, x)
+
+        assert svc.run_user(method, (1,), None) == 2
+        assert seen == [("user", True), ("engine", False)] and eng.user is False
+        epoch = eng.epoch
+
+        def failing_engine():
+            raise ValueError("engine")
+
+        def method_failing():
+            with pytest.raises(ValueError, match="engine"):
+                svc.run_engine(failing_engine)
+            seen.append(("back in user code", eng.user))
+            raise KeyError("user")
+
+        with pytest.raises(KeyError):
+            svc.run_user(method_failing, (), None)
+        assert seen[-1] == ("back in user code", True) and eng.user is False
+        assert eng.epoch == epoch + 2  # entered twice: the method, and back from the engine
+        assert svc.run_user(lambda a, b=0: a + b, (1,), {"b": 2}) == 3
+    finally:
+        svc.stop()

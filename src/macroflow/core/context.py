@@ -316,6 +316,8 @@ class Engine:
             if transport.fileno() is not None:  # inproc: nothing runs while a method does
                 from .threads import start_service
                 self.service = start_service(self)
+                # one call from user code into the engine, not three (see _from_user)
+                self._from_user = self.service.run_engine
 
     # ------------------------------------------------------------------ sending
     def load(self) -> int:
@@ -941,14 +943,10 @@ class Engine:
                 value = fn(*args, **kwargs) if kwargs else fn(*args)
                 if type(value) is CoroutineType:  # an async def method: run it here
                     value = run_coroutine(value)
-            else:
-                svc.enter()  # the method's own code: the context serves meanwhile
-                try:
-                    value = fn(*args, **kwargs) if kwargs else fn(*args)
-                    if type(value) is CoroutineType:
-                        value = run_coroutine(value)
-                finally:
-                    svc.leave()
+            else:  # the method's own code: the context serves meanwhile
+                value = svc.run_user(fn, args, kwargs)
+                if type(value) is CoroutineType:
+                    value = svc.run_user(run_coroutine, (value,), None)
         except INTERRUPTS:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
@@ -1399,18 +1397,10 @@ class Engine:
         """Run the engine method ``fn`` for user code (a method issuing a call,
         waiting, answering): while it runs, the service mechanism, which may
         run whenever user code does, stays out of the engine. The methods that
-        user code calls start with ``if self.user and self.serving != _get_ident()``."""
-        svc = self.service
-        svc.leave()
-        try:
-            r = fn(*args)
-        except INTERRUPTS:
-            raise  # the method is being ended: it does not go back to user code
-        except BaseException:
-            svc.enter()
-            raise
-        svc.enter()
-        return r
+        user code calls start with ``if self.user and self.serving != _get_ident()``.
+        An engine with a service has the service's ``run_engine`` here instead
+        (an attribute of the instance), which does the same in one call."""
+        return self.service.run_engine(fn, *args)
 
     def post(self, dest: int, header: tuple) -> None:
         """Send one message on behalf of user code (a remote service request)."""

@@ -220,6 +220,44 @@ class Service:
     def leave(self) -> None:
         self.engine.user = False
 
+    def run_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the engine method ``fn`` for user code: ``leave()``, ``fn(*args)``,
+        ``enter()`` (not after Ctrl-C: the method is being ended and does not
+        go back to user code). The engine's ``_from_user`` is this method.
+
+        Example:
+            >>> class Eng: user, epoch = True, 0
+            >>> s = Service(Eng())
+            >>> s.run_engine(lambda: s.engine.user), s.engine.user
+            (False, True)
+        """
+        self.leave()
+        try:
+            r = fn(*args)
+        except INTERRUPTS:
+            raise
+        except BaseException:
+            self.enter()
+            raise
+        self.enter()
+        return r
+
+    def run_user(self, fn: Callable[..., Any], args: tuple, kwargs: Optional[dict]) -> Any:
+        """Run user code ``fn(*args, **kwargs)`` (a method, a handler): ``enter()``,
+        the call, ``leave()`` however it ends; return what it returned.
+
+        Example:
+            >>> class Eng: user, epoch = False, 0
+            >>> s = Service(Eng())
+            >>> s.run_user(lambda x: (s.engine.user, x), (1,), None), s.engine.user
+            ((True, 1), False)
+        """
+        self.enter()
+        try:
+            return fn(*args, **kwargs) if kwargs else fn(*args)
+        finally:
+            self.leave()
+
     def stop(self) -> None:
         """No more service (the computation ends)."""
 
@@ -470,6 +508,45 @@ class ServiceSignal(Service):
         if self.busy:  # then wait out the watcher's serve in progress
             self.lock.acquire()
             self.lock.release()
+
+    def run_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # Service.run_engine with leave() and enter()'s common case inline:
+        # every call, wait and reply of user code comes through here
+        eng = self.engine
+        eng.user = False
+        if self.busy:
+            self.lock.acquire()
+            self.lock.release()
+        try:
+            r = fn(*args)
+        except INTERRUPTS:
+            raise
+        except BaseException:
+            self.enter()
+            raise
+        if self.armed or self.ticker is None or self.stopped:  # the timer needs nothing
+            eng.epoch += 1
+            eng.user = True
+        else:
+            self.enter()
+        return r
+
+    def run_user(self, fn: Callable[..., Any], args: tuple, kwargs: Optional[dict]) -> Any:
+        # Service.run_user with enter()'s common case and leave() inline: every
+        # method and remote action runs through here
+        eng = self.engine
+        if self.armed or self.ticker is None or self.stopped:
+            eng.epoch += 1
+            eng.user = True
+        else:
+            self.enter()
+        try:
+            return fn(*args, **kwargs) if kwargs else fn(*args)
+        finally:
+            eng.user = False
+            if self.busy:
+                self.lock.acquire()
+                self.lock.release()
 
     def _off(self) -> None:
         """The engine's own code runs: turn signals off, unless the watcher

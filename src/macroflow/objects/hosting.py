@@ -341,11 +341,7 @@ class ObjectHost(Model):
                 if svc is None:
                     inst.__init__(*args, **kwargs)
                 else:
-                    svc.enter()
-                    try:
-                        inst.__init__(*args, **kwargs)
-                    finally:
-                        svc.leave()
+                    svc.run_user(inst.__init__, args, kwargs)
             except INTERRUPTS:
                 raise
             except BaseException as e:

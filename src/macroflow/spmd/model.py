@@ -95,6 +95,7 @@ class Done:
 
     __slots__ = ("_value",)
     _state = FINISHED
+    _exc = None  # as a finished future's: Handle.wait reads the two
 
     def __init__(self, value: Any):
         self._value = value
@@ -185,7 +186,11 @@ class Handle:
         if timeout is not None:
             timeout = check_timeout(timeout)  # a bad one is refused even when the handle is done
         if timeout is None or f._state == FINISHED:  # (math.inf: None)
-            return f.result()
+            if f._state != FINISHED:  # f.result(), inline: a remote action's commonest wait
+                self._eng.wait_future(f, None)
+            if f._exc is not None:
+                raise f._exc
+            return f._value
         deadline = time.monotonic() + timeout
         arrived = self._arrived
         if arrived is None:  # once per handle, however often it is waited for
@@ -397,12 +402,8 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
     try:
         if svc is None:
             value = _run_action(handler, args, {})
-        else:
-            svc.enter()  # user code: the context serves meanwhile
-            try:
-                value = _run_action(handler, args, {})
-            finally:
-                svc.leave()
+        else:  # user code: the context serves meanwhile
+            value = svc.run_user(_run_action, (handler, args, {}), None)
         ok = True
     except INTERRUPTS:
         raise  # Ctrl-C ends the program, it is not the handler's exception
