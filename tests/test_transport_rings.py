@@ -674,3 +674,46 @@ def test_a_caller_whose_replies_take_a_little_longer_than_the_spin_stops_needing
         t = current_engine().transport
         assert t.spin_s < t.spin_cur <= t.spin_max
     assert pokes < n // 4, f"{pokes} of {n} replies had to wake the caller"
+
+
+class _Glancer:
+    """What ring.glance needs of a transport."""
+
+    def __init__(self, rins=(1,), calm_until=0.0, spin_s=2e-3):
+        self.rins, self.calm_until, self.spin_s = list(rins), calm_until, spin_s
+        self.spins_preempted = 0
+        self.looks = 0
+
+    def _rings(self):
+        self.looks += 1
+        return False
+
+
+def test_a_glance_looks_until_told_and_no_longer_than_the_spin():
+    import time
+    from macroflow.transport.ring import glance
+    t = _Glancer()
+    glance(t, lambda: t.looks == 5)
+    assert t.looks == 5
+    t = _Glancer(spin_s=2e-3)
+    start = time.perf_counter()
+    glance(t, lambda: False)  # nothing comes: it gives up after spin_s
+    # (or sooner, having found itself preempted on a loaded machine)
+    assert t.spins_preempted == 1 or (t.looks > 1 and time.perf_counter() - start >= 2e-3)
+    t = _Glancer(rins=())  # no rings: nothing to look at
+    glance(t, lambda: False)
+    assert t.looks == 0
+    t = _Glancer(calm_until=time.perf_counter() + 60)  # preempted lately: no glance
+    glance(t, lambda: False)
+    assert t.looks == 0
+
+
+def test_a_glance_that_was_preempted_stops_and_calms_the_spin(monkeypatch):
+    from macroflow.transport import ring
+    clock = iter([0.0, 0.5])  # the first look ends 0.5 s after it began
+
+    monkeypatch.setattr(ring.time, "perf_counter", lambda: next(clock))
+    t = _Glancer(spin_s=10.0)
+    ring.glance(t, lambda: False)
+    assert t.looks == 1 and t.spins_preempted == 1
+    assert t.calm_until == 0.5 + ring.GLANCE_CALM

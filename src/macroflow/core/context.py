@@ -112,6 +112,7 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
+GLANCE_MIN_WAIT = 1e-3  # a wait with a shorter timeout parks at once (see _glance_for)
 POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
 POLLER_PERIOD = 50e-6  # ... then at most this long at a time while it has pollers
 # VALUE headers: b"V" ok ctx seq  (label (fid, None)), b"W" ok ctx seq ctx seq (an arc)
@@ -289,6 +290,7 @@ class Engine:
         self.epoch = 0
         self.serving = 0
         self.service: Any = None
+        self.glance: Optional[Callable[[Callable[[], bool]], None]] = None
         self.served_busy = 0  # messages served while user code ran
         self.service_cpu = 0.0  # CPU seconds the service mechanism spent serving
         self._scanned: Any = None  # the last inbox entry the service looked at
@@ -313,6 +315,8 @@ class Engine:
                 self.pointer_kinds[kind] = model
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost, self.land)
+            #: the transport's look before a thread parks (see wait_future), if any
+            self.glance = getattr(transport, "glance", None)
             if transport.fileno() is not None:  # inproc: nothing runs while a method does
                 from .threads import start_service
                 self.service = start_service(self)
@@ -603,10 +607,18 @@ class Engine:
         if isinstance(w, Worker):
             call = w.call
             eng = w.engine
+            if eng.glance is not None and (timeout is None or timeout >= GLANCE_MIN_WAIT) \
+                    and not (eng.inbox or eng.ready or eng.lost_queue):
+                # the answer is often a few microseconds away: look for it
+                # before parking (two switches and a pass of the engine's loop)
+                eng._glance_for(f)
+                if f._state == FINISHED:
+                    return
             if call is not None:
                 kind = eng.call_kinds[call.kind]
                 if kind.checks_waits:
                     kind.check_wait(call, f)  # a wait that can never end raises
+            eng.stats.threads_parked += 1
             waiter = Waiter(eng, w)
             f._waiters.append(waiter)
             if timeout is not None:
@@ -639,6 +651,8 @@ class Engine:
                 raise r
             return
         if timeout is None and self.driver is self:
+            if self.glance is not None and not (self.inbox or self.ready or self.lost_queue):
+                self._glance_for(f)  # (the transport's spin makes system calls)
             step = self.step
             while f._state != FINISHED:  # the common wait, without a predicate call per step
                 step(None)
@@ -651,6 +665,19 @@ class Engine:
             self.timed_wait = timed
         if not done:
             raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
+
+    def _glance_for(self, f: Future) -> None:
+        # from a thread, with nothing else to do here: what arrives meanwhile
+        # is taken as the engine's own poll takes it (a value for f at once;
+        # anything else queued, which ends the look)
+        def glanced() -> bool:  # (counted with the spin, not the call: tests/common.SPIN)
+            return f._state == FINISHED or bool(self.inbox or self.ready or self.lost_queue)
+
+        dispatching, self.dispatching = self.dispatching, False
+        try:
+            self.glance(glanced)
+        finally:
+            self.dispatching = dispatching
 
     def park(self) -> Any:
         """Switch from a worker back to the engine until a Waiter wakes it."""

@@ -1225,6 +1225,8 @@ class LocalTransport(Transport):
             last = t
         return events
 
+    glance = _ring.glance
+
     def _sleep(self, timeout: Optional[float]) -> Optional[list]:
         """Sleep in epoll until something arrives (None: a ring delivered)."""
         rins = self.rins

@@ -1204,6 +1204,8 @@ class MpiTransport(Transport):
             return got
         return self._wait(deadline, own, seen)
 
+    glance = _ring.glance
+
     def _adapt(self, waited: float, came: bool) -> None:
         # as the local transport does: a frame that came soon after the spin
         # gave up cost a sleep and a wake-up that a longer spin would have

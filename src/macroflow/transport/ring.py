@@ -70,6 +70,7 @@ import os
 import platform
 import struct
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -711,6 +712,58 @@ class BulkOut:
             self.mv.release()
             self.back = None
             self.map.close()
+
+
+GLANCE_YIELD = 8  # a glance yields its core this seldom
+GLANCE_PREEMPTED = 1e-3  # a gap this long between two looks: someone else had our core
+GLANCE_CALM = 0.01  # then no glancing (nor spinning) for this long
+
+
+def glance(transport: Any, stop: Callable[[], bool]) -> None:
+    """A transport's ``glance(stop)`` where frames come by rings (``local``,
+    ``mpi``): look at the rings until ``stop()`` says so, for the transport's
+    ``spin_s`` at most, without a system call but a ``sched_yield`` every
+    GLANCE_YIELD looks (a process waiting for this core runs first). The
+    engine glances before a thread parks or a wait steps its loop: the
+    answer is often a few microseconds away, and the transport's own spin
+    makes a system call at every look, parking two switches and a pass of
+    the engine's loop. Nothing without rings, nor while the transport was
+    recently preempted (its ``calm_until``).
+
+    Example:
+        >>> class T:
+        ...     rins, calm_until, spin_s, spins_preempted = [1], 0.0, 1e-3, 0
+        ...     def _rings(self): self.looks = getattr(self, "looks", 0) + 1
+        >>> t = T()
+        >>> glance(t, lambda: t.looks == 3)
+        >>> t.looks
+        3
+    """
+    if not transport.rins:
+        return
+    clock = time.perf_counter
+    now = last = clock()
+    if now < transport.calm_until:
+        return
+    end = now + transport.spin_s
+    rings = transport._rings
+    yield_ = os.sched_yield
+    looks = 0
+    while True:
+        rings()
+        if stop():
+            return
+        looks += 1
+        if looks % GLANCE_YIELD == 0:
+            yield_()
+        t = clock()
+        if t - last > GLANCE_PREEMPTED:
+            transport.calm_until = t + GLANCE_CALM
+            transport.spins_preempted += 1
+            return
+        if t > end:
+            return
+        last = t
 
 
 def bulk_counts(sent: int, got: int, rings: Any) -> Dict[str, int]:
