@@ -1461,3 +1461,36 @@ def test_a_thread_waiting_for_a_quick_answer_looks_at_the_rings_before_it_parks(
         assert parked < n // 2, parked
     else:
         assert parked >= n - 5, parked
+
+
+def _glances_during_barriers(k):
+    # records, at each glance, whether something completes without a message
+    # (a poller: the barrier in shared memory), then glances as the transport does
+    from macroflow.core.context import current_engine
+    eng = current_engine()
+    real, seen = eng.glance, []
+
+    def recorder(stop):
+        seen.append(bool(eng.pollers))
+        if real is not None:
+            real(stop)
+
+    eng.glance = recorder
+    try:
+        for _ in range(k):
+            mf.barrier()
+        assert mf.remote_action(1 - mf.rank(), pong).wait() == 1 - mf.rank()
+        mf.barrier()
+    finally:
+        eng.glance = real
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_does_not_glance_at_the_rings_while_a_poller_would_complete_it():
+    # a barrier of two contexts on one host completes in shared memory, seen
+    # by a poller of the engine's loop: a look at the rings alone would not
+    # see it, and the barrier would take the whole glance (50 us, not 3)
+    seen = mf.spmd(_glances_during_barriers, 200, n=2, transport="local")
+    assert not any(True in s for s in seen), [s.count(True) for s in seen]
+    assert any(False in s for s in seen)  # the remote action's wait did glance

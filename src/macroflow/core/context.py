@@ -608,9 +608,10 @@ class Engine:
             call = w.call
             eng = w.engine
             if eng.glance is not None and (timeout is None or timeout >= GLANCE_MIN_WAIT) \
-                    and not (eng.inbox or eng.ready or eng.lost_queue):
+                    and not (eng.inbox or eng.ready or eng.lost_queue or eng.pollers):
                 # the answer is often a few microseconds away: look for it
-                # before parking (two switches and a pass of the engine's loop)
+                # before parking (two switches and a pass of the engine's loop);
+                # not while something completes without a message (a poller)
                 eng._glance_for(f)
                 if f._state == FINISHED:
                     return
@@ -651,7 +652,8 @@ class Engine:
                 raise r
             return
         if timeout is None and self.driver is self:
-            if self.glance is not None and not (self.inbox or self.ready or self.lost_queue):
+            if self.glance is not None and not (self.inbox or self.ready or self.lost_queue
+                                                or self.pollers):
                 self._glance_for(f)  # (the transport's spin makes system calls)
             step = self.step
             while f._state != FINISHED:  # the common wait, without a predicate call per step
@@ -671,7 +673,8 @@ class Engine:
         # is taken as the engine's own poll takes it (a value for f at once;
         # anything else queued, which ends the look)
         def glanced() -> bool:  # (counted with the spin, not the call: tests/common.SPIN)
-            return f._state == FINISHED or bool(self.inbox or self.ready or self.lost_queue)
+            return f._state == FINISHED or bool(self.inbox or self.ready or self.lost_queue
+                                                or self.pollers)
 
         dispatching, self.dispatching = self.dispatching, False
         try:
