@@ -1106,3 +1106,56 @@ def test_main_definitions_go_on_by_value_from_contexts_that_did_not_run_the_scri
                        timeout=150)
     assert p.returncode == 0, p.stderr
     assert "GOT 2" in p.stdout, (p.stdout, p.stderr)
+
+
+@mf.regular
+class Grows:
+    """A regular object whose constructor changes the list it is given."""
+
+    def __init__(self, xs):
+        xs.append(len(xs))
+        self.xs = xs
+
+    def seen(self, ys):
+        ys.append("callee")
+        return list(self.xs), ys
+
+
+def test_a_call_to_its_own_context_still_gets_copies_of_what_can_change(run):
+    # a call placed on the caller's own context is queued without a pickle
+    # only when nothing in it can change (plain values); a list argument, or
+    # a list among a regular object's constructor arguments, is still a copy
+    def main():
+        xs, ys = [0], ["caller"]
+        g = Grows(xs)
+        got = [g.seen(ys).result(timeout=30) for _ in range(3)]
+        return got, xs, ys
+
+    got, xs, ys = run(main, contexts=1)
+    assert got == [([0, 1], ["caller", "callee"])] * 3
+    assert xs == [0] and ys == ["caller"]
+
+
+def test_a_call_of_plain_values_to_its_own_context_is_not_pickled(monkeypatch):
+    from macroflow.core import context as core
+    pickled = []
+    real = core._encode
+
+    def counting(obj):
+        if type(obj) is tuple and obj and obj[0] == core.CALL:
+            pickled.append(obj[4])
+        return real(obj)
+
+    monkeypatch.setattr(core, "_encode", counting)
+
+    def main():
+        m = Math()  # regular: placed on context 0 itself while it is idle
+        values = [m.square(i).result(timeout=30) for i in range(20)]
+        s = Scaled(3)
+        values.append(s.times(5).result(timeout=30))
+        values.append(m.add([1], [2]).result(timeout=30))  # lists: pickled
+        return values
+
+    values = mf.run(main, contexts=1, transport="local")
+    assert values == [i * i for i in range(20)] + [15, [1, 2]]
+    assert pickled == ["add"], pickled

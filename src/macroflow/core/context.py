@@ -112,6 +112,7 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
+LOCAL_DECODED = True  # calls of plain values to this context skip the pickle (see issue)
 GLANCE_MIN_WAIT = 1e-3  # a wait with a shorter timeout parks at once (see _glance_for)
 POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
 POLLER_PERIOD = 50e-6  # ... then at most this long at a time while it has pollers
@@ -455,11 +456,18 @@ class Engine:
         route = (1 << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
         running = getattr(getcurrent(), "call", None)
         caller = self.id if running is None else running.fid
+        msg = (CALL, fid, kind, target, method, args, kwargs, arcs, route, caller)
+        # a call to this very context, of plain values only, is queued as it is
+        # (see _process): nothing in it can change, so call-by-value holds
+        # without the pickle and its decoding
+        queued = plain and dest == self.id and self.relay_to is None and LOCAL_DECODED \
+            and _shareable(target)
         try:
-            msg = (CALL, fid, kind, target, method, args, kwargs, arcs, route, caller)
+            if queued:
+                data = bufs = None
             # arguments of plain values only: the C pickler, as for a plain result
             # (the target is a model's tuple of ids, or a class the encoder must see)
-            if plain and _plain_ids(target):
+            elif plain and _plain_ids(target):
                 data, bufs = _pdumps(msg, 5), None
             else:
                 data, bufs = _encode(msg)
@@ -488,7 +496,10 @@ class Engine:
             self.loads[dest] += 1
         else:
             self.active += 1  # queued here already: the next placement must see it
-        self.send_frame(dest, [data, *bufs] if bufs else [data], urgent=True)
+        if queued:
+            self.inbox.append((dest, msg, self.load()))
+        else:
+            self.send_frame(dest, [data, *bufs] if bufs else [data], urgent=True)
         return fut
 
     def _make_arcs(self, args, kwargs, fid, dest):
@@ -780,6 +791,12 @@ class Engine:
                     self.loads[src] = load
                 except IndexError:  # _heard's case, inline: the commonest path of all
                     self._heard(src, load)
+                if type(bufs) is tuple:  # a call this context made to itself (see issue)
+                    if self.relay_to is None:
+                        self._on_call(src, bufs)
+                        continue
+                    data, more = _encode(bufs)  # relayed: it leaves as any frame does
+                    bufs = [data, *more]
                 b0 = bufs[0]
                 if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
                     self._relay_frame(bufs)
@@ -1536,6 +1553,8 @@ class Engine:
 
     def _serve_one(self, entry) -> bool:
         src, bufs, load = entry
+        if type(bufs) is tuple:  # a call to itself, queued decoded: not served while busy
+            return False
         b0 = bufs[0]
         served = SERVED_WHILE_BUSY.get(_peek_op(b0))
         if served is None:
@@ -2334,6 +2353,36 @@ def _raw(p) -> memoryview:
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _ATOMS = frozenset((int, float, str, bytes, bool, type(None), complex))
 _DEEP = 50  # nesting beyond this is searched without recursion (it may be a cycle)
+
+
+def _shareable(target) -> bool:
+    """Whether a call's target holds nothing that can change, so that a call
+    to one's own context may be queued without a copy: a name, None, or a
+    tuple of ids, classes, and tuples of plain values (a regular object's
+    constructor arguments) with an empty dict beside them.
+
+    Example:
+        >>> _shareable(((0, 3),)), _shareable((int, (1, "a"), {})), _shareable("stats")
+        (True, True, True)
+        >>> _shareable((int, ([1],), {})), _shareable((int, (), {"x": 1}))
+        (False, False)
+    """
+    if target is None or type(target) is str:
+        return True
+    if type(target) is not tuple:
+        return False
+    for t in target:
+        tt = type(t)
+        if tt is tuple:
+            for v in t:
+                if type(v) not in _PLAIN:
+                    return False
+        elif tt is dict:
+            if t:
+                return False
+        elif not isinstance(t, type):
+            return False
+    return True
 
 
 def _plain_ids(target) -> bool:
