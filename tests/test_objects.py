@@ -1159,3 +1159,24 @@ def test_a_call_of_plain_values_to_its_own_context_is_not_pickled(monkeypatch):
     values = mf.run(main, contexts=1, transport="local")
     assert values == [i * i for i in range(20)] + [15, [1, 2]]
     assert pickled == ["add"], pickled
+
+
+@mf.persistent
+class Sleeper:
+    def slow(self, s):
+        time.sleep(s)
+        return "done"
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_comes_after_the_timeout_is_late_on_every_transport(run):
+    # the method runs on the waiting context itself and holds it past the
+    # deadline: the wait ends with the value there, and says it was late,
+    # as a handle's wait does (on inproc too, where the engine stops first)
+    def main():
+        f = Sleeper.create(on=0).slow(0.5)
+        with pytest.raises(mf.TimeoutError, match="not ready after 0.05 s"):
+            f.result(timeout=0.05)
+        return f.result(timeout=30)  # the call went on
+
+    assert run(main, contexts=2) == "done"

@@ -1494,3 +1494,91 @@ def test_a_wait_does_not_glance_at_the_rings_while_a_poller_would_complete_it():
     seen = mf.spmd(_glances_during_barriers, 200, n=2, transport="local")
     assert not any(True in s for s in seen), [s.count(True) for s in seen]
     assert any(False in s for s in seen)  # the remote action's wait did glance
+
+
+def _asks_back(o):
+    return o.other().result()
+
+
+@mf.persistent
+class AsksByAction:
+    def m(self, me, where):
+        return mf.remote_action(where, _asks_back, me).wait()
+
+    def other(self):
+        return 42
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", [0, 1])
+def test_a_wait_cycle_through_a_remote_action_fails_with_deadlock_error(run, where):
+    # the method waits for a remote action whose handler waits for a call
+    # queued behind that method: the deadlock probe follows the handler's
+    # thread (a remote action has no result slot), on another context or
+    # on the method's own
+    def main():
+        o = AsksByAction.create(on=1)
+        with pytest.raises(mf.DeadlockError, match="remote action _asks_back"):
+            o.m(o, where).result(timeout=30)
+        return o.other().result(timeout=30)
+
+    assert run(main, contexts=2) == 42
+
+
+def _exits(code):
+    sys.exit(code)
+
+
+@mf.regular
+class Exits:
+    def m(self, code):
+        sys.exit(code)
+
+
+@mf.persistent
+class ExitsAtBirth:
+    def __init__(self):
+        sys.exit(5)
+
+    def x(self):
+        return 1
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit_in_a_handler_method_or_constructor_fails_that_call_not_the_caller(run):
+    # the code run for a call ends with sys.exit(): that call fails, naming
+    # what exited and where; the caller's program goes on
+    def main():
+        got = []
+        for call in (lambda: mf.remote_action(1, _exits, 3).wait(timeout=30),
+                     lambda: Exits.create(on=1).m(4).result(timeout=30),
+                     lambda: ExitsAtBirth.create(on=1).x().result(timeout=30)):
+            with pytest.raises(mf.MacroflowError) as e:
+                call()
+            got.append(str(e.value))
+        return got
+
+    got = run(main, contexts=2)
+    assert "remote action _exits on context 1 called sys.exit(3)" in got[0]
+    assert "Exits.m on context 1 called sys.exit(4)" in got[1]
+    assert "ExitsAtBirth() on context 1 called sys.exit(5)" in got[2]
+
+
+_kept = {}
+
+
+def _keeps_a_handle():
+    _kept["h"] = mf.remote_action(1, time.sleep, 5)
+
+
+@pytest.mark.timeout(60)
+def test_testing_a_handle_of_an_ended_computation_says_it_is_stale(transport):
+    # its computation ended with the handle unfinished: test() cannot ever
+    # become True, so it raises as wait() does (not a transport's internal
+    # error, nor False for ever)
+    mf.run(_keeps_a_handle, contexts=2, transport=transport)
+    h = _kept.pop("h")
+    with pytest.raises(mf.StaleReference):
+        h.wait(1)
+    with pytest.raises(mf.StaleReference):
+        h.test()

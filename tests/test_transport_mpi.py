@@ -745,6 +745,50 @@ def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_
     assert "KeyboardInterrupt" in err
 
 
+WAITS_AN_HOUR = """
+    import sys, time
+    import macroflow as mf
+
+    def main():
+        if mf.rank() == 0:
+            open(sys.argv[1], "w").write("waiting")
+            mf.remote_action(1, time.sleep, 3600).wait()
+        mf.barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("whom", ["macroflow run alone", "its process group"])
+def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, whom):
+    # SIGINT to `macroflow run` alone is passed on to mpiexec; at the terminal
+    # (the whole group) mpiexec has it too. Either way the job ends at once
+    # with 130, and no rank calls MPI after it ended (a service thread of a
+    # rank that leaves is stopped before MPI_Finalize)
+    script, flag = tmp_path / "job.py", tmp_path / "flag"
+    script.write_text(textwrap.dedent(WAITS_AN_HOUR))
+    cmd = [sys.executable, "-m", "macroflow", "run", "-n", "2", "--spmd", "--transport", "mpi",
+           str(script), str(flag)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t = time.monotonic()
+        if whom == "macroflow run alone":
+            os.kill(p.pid, signal.SIGINT)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, (p.returncode, out, err)
+    assert time.monotonic() - t < 30  # not when the handler's hour is over
+    assert "after finalizing" not in out + err and "assert" not in err, err
+
+
 def test_a_frame_over_4_kib_keeps_its_sender_looking_at_mpi_until_it_has_left():
     # MPICH may need the sender's progress to send such a frame (the first to a
     # peer): a sender that went to sleep held it until it woke

@@ -16,9 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import signal
 import sys
 import types
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 def script_problem(path: str) -> Optional[str]:
@@ -306,14 +307,15 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
                 if b"RUNNING AT" in line or report:
                     report.append(line)
             code = p.wait()
+            interrupted = False
         except KeyboardInterrupt:
-            p.wait()
-            return 130
+            code, interrupted = _end_job(p), True
         finally:
             watcher.stop()
             watcher.thread.join(5)
         if code != 0:
-            text = watcher.describe(b"".join(report[:4]).decode(errors="replace"))
+            text = None if interrupted else \
+                watcher.describe(b"".join(report[:4]).decode(errors="replace"))
             if text is not None:
                 print(f"macroflow: {text}", file=sys.stderr)
             # an aborted job leaves MPICH's shared-memory files behind
@@ -324,6 +326,31 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
                     except OSError:
                         pass
         return code
+
+
+def _end_job(p: Any) -> int:
+    """Ctrl-C reached ``macroflow run`` (alone, or with the whole process group):
+    pass it on to mpiexec, which passes it on to the ranks, and wait for the
+    job to end; SIGTERM and then SIGKILL if it does not within a few seconds
+    (or at another Ctrl-C). Returns 130, the shell's code for Ctrl-C."""
+    import subprocess
+    steps = ((None, 1.0), (signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0))
+    for sig, grace in steps:
+        # first none: a Ctrl-C at the terminal reached mpiexec too, and a
+        # second one while it passes the first on makes its proxy fail
+        if p.poll() is not None:
+            break
+        try:
+            if sig is not None:
+                p.send_signal(sig)
+        except ProcessLookupError:
+            break
+        try:
+            p.wait(grace)
+            break
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            continue
+    return 130
 
 
 def _mpich_shm() -> set:

@@ -601,7 +601,7 @@ class Engine:
         return f
 
     # ------------------------------------------------------------------ waiting
-    def wait_future(self, f: Future, timeout: Optional[float]) -> None:
+    def wait_future(self, f: Future, timeout: Optional[float], stamped: bool = False) -> None:
         if self.user and self.serving != _get_ident():
             return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
@@ -609,6 +609,8 @@ class Engine:
         self.request_value(f)
         if f._state == FINISHED:
             return
+        if timeout is not None and not stamped:
+            return self._wait_timed(f, timeout)
         if self.in_inline:
             # before the worker's case: an at-once handler may run on top of a method
             raise errors.DeadlockError(
@@ -678,6 +680,29 @@ class Engine:
             self.timed_wait = timed
         if not done:
             raise errors.TimeoutError(f"{f!r} not ready after {timeout} s")
+
+    def _wait_timed(self, f: Future, timeout: float) -> None:
+        # A value that came only after the deadline is late too, as a
+        # handle's is: the engine may have been busy past the deadline (a
+        # method of this very context that computed), and the wait then
+        # ends with the value there. The same on every transport.
+        came: List[float] = []
+
+        def stamp(_f: Future) -> None:
+            came.append(time.monotonic())
+
+        due = time.monotonic() + timeout
+        f._callbacks.append(stamp)
+        try:
+            self.wait_future(f, timeout, True)
+        finally:
+            try:
+                f._callbacks.remove(stamp)
+            except ValueError:
+                pass
+        if came and came[0] > due:
+            raise errors.TimeoutError(f"{f!r} not ready after {timeout} s (it came "
+                                      f"{came[0] - due:.3g} s after that)")
 
     def _glance_for(self, f: Future) -> None:
         # from a thread, with nothing else to do here: what arrives meanwhile
@@ -998,6 +1023,9 @@ class Engine:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
             self.stats.calls_executed += 1
+            if isinstance(e, SystemExit) and not isinstance(e, errors.Terminated) \
+                    and not getattr(self.call_kinds.get(call.kind), "keeps_exit", False):
+                e = errors.exited(f"{self._call_label(call)} on context {self.id}", e)
             self._finish(call, False, e)
             return
         self.stats.calls_executed += 1
@@ -1606,18 +1634,26 @@ class Engine:
             while fid not in visited:
                 visited.add(fid)
                 slot = self.slots.get(fid)
-                if slot is None or slot.state == FINISHED:
-                    break
-                if slot.alias is not None:
-                    to_fid, home = slot.alias
-                    if home != self.id:
-                        self._probe(init, to_fid, home, path)
+                if slot is None:
+                    # a call without a result slot (a remote action's handler,
+                    # whose value goes back unasked) is found by its waiting thread
+                    entry = self.blocked.get(fid)
+                    if entry is None:
                         break
-                    fid = to_fid
-                    continue
-                call = slot.call
-                if call is None:
-                    break
+                    call = entry[0]
+                else:
+                    if slot.state == FINISHED:
+                        break
+                    if slot.alias is not None:
+                        to_fid, home = slot.alias
+                        if home != self.id:
+                            self._probe(init, to_fid, home, path)
+                            break
+                        fid = to_fid
+                        continue
+                    call = slot.call
+                    if call is None:
+                        break
                 if call.fid == init:
                     self._cycle(init, path)
                     break
@@ -1983,6 +2019,10 @@ class CallKind:
     #: whether the kind has a :meth:`check_wait` of its own (set for each
     #: subclass: a wait does not call the base's, which checks nothing)
     checks_waits = False
+    #: True if the caller of a call of this kind makes a ``sys.exit()`` in it
+    #: an error of its own; else the engine does (see errors.exited), so that
+    #: the exit fails the call, not the caller's program
+    keeps_exit = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -209,3 +209,20 @@ class Terminated(SystemExit):
         >>> isinstance(e, SystemExit), e.code
         (True, 143)
     """
+
+
+def exited(what: str, e: SystemExit) -> MacroflowError:
+    """The error that user code's ``sys.exit()`` becomes where a computation
+    runs it (a method, a constructor, a remote action's handler): that
+    code's failure, which its caller gets as an error, not the caller's own
+    exit (``e`` is its cause).
+
+    Example:
+        >>> print(exited("method Acc.add on context 1", SystemExit(3)))
+        method Acc.add on context 1 called sys.exit(3): code run by macroflow returns or raises; this call failed
+    """
+    how = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
+    err = MacroflowError(f"{what} called {how}: code run by macroflow returns or raises; "
+                         f"this call failed")
+    err.__cause__ = e
+    return err

@@ -307,6 +307,21 @@ def _give_back(signum: int, handler: Any, previous: Any) -> None:
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # services with a thread and a lock
 
 
+def quiesce(wait: float = 1.0) -> None:
+    """Stop every service of this process and wait (``wait`` seconds at most)
+    for a serve in progress to end: before MPI ends in a process that is
+    leaving, since a serve calls into MPI, and MPI called after its end
+    prints an error and may abort.
+
+    Example:
+        >>> quiesce()   # no service here: nothing to do
+    """
+    for t in list(_live):
+        t.stopped = True
+        if t.lock.acquire(timeout=wait):
+            t.lock.release()
+
+
 def _before_fork() -> None:
     # a child forked by user code must not inherit a lock held by a serving thread
     for t in list(_live):

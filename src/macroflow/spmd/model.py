@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..core import errors, marshal
 from ..core.context import (RSR, Call, CallKind, Engine, Model, check_timeout, current_engine,
                             register, register_model, rsr_frame)
-from ..core.future import FINISHED, CoroutineType, Future, run_coroutine
+from ..core.future import FINISHED, CoroutineType, Future, run_coroutine, stale_future
 from ..core.threads import INTERRUPTS, getcurrent
 
 KIND = "spmd"
@@ -134,6 +134,10 @@ class Handle:
     def test(self) -> bool:
         """Serve what has arrived, then say whether the operation is done.
 
+        Raises:
+            macroflow.StaleReference: the operation is not done and its
+                computation has ended.
+
         Example:
             >>> import macroflow as mf, numpy as np
             >>> def main():
@@ -148,6 +152,8 @@ class Handle:
         """
         if self._f._state == FINISHED:
             return True
+        if self._eng.closed:  # its computation ended: nothing will ever finish it
+            raise stale_future(self._f)
         self._eng.poll_user()
         return self._f._state == FINISHED
 
@@ -265,6 +271,7 @@ class SpmdCalls(CallKind):
     as one of its calls too (see :func:`serve_action`)."""
 
     yields_on_poll = True
+    keeps_exit = True  # mf.spmd names the context whose function exited (program._exited)
 
     def __init__(self, eng: Engine, model: "SpmdModel"):
         super().__init__(eng)
@@ -408,6 +415,8 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
     except INTERRUPTS:
         raise  # Ctrl-C ends the program, it is not the handler's exception
     except BaseException as e:
+        if isinstance(e, SystemExit) and not isinstance(e, errors.Terminated):
+            e = errors.exited(f"remote action {_name(handler)} on context {eng.id}", e)
         ok, value = False, e
     finally:
         w.call = None

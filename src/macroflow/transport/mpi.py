@@ -287,6 +287,8 @@ def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
         pass
     try:
         if _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized():
+            from ..core.threads import quiesce
+            quiesce()  # no service thread may call MPI from here on
             _MPI.Finalize()
     finally:
         # C's exit, not os._exit: the network modules' own exit handlers close
