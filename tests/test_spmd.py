@@ -1582,3 +1582,60 @@ def test_testing_a_handle_of_an_ended_computation_says_it_is_stale(transport):
         h.wait(1)
     with pytest.raises(mf.StaleReference):
         h.test()
+
+
+def _makes_a_handle():
+    return mf.remote_action(1, pong)
+
+
+def _handle_misuse():
+    if mf.rank() == 0:
+        with pytest.raises(ValueError, match="no handler has an empty name"):
+            mf.remote_action(1, "")
+        with pytest.raises(mf.CallError, match="cannot leave the context that started it"):
+            mf.remote_action(0, _makes_a_handle).wait(30)  # a handle as a result
+        h = mf.remote_action(1, pong)
+        with pytest.raises(mf.CallError, match="cannot leave the context that started it"):
+            mf.remote_action(1, pong, h)  # a handle as an argument
+        h.wait(30)
+    mf.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_handler_name_and_a_handle_sent_elsewhere_are_refused_clearly(transport):
+    mf.spmd(_handle_misuse, n=2, transport=transport)
+
+
+def _boom():
+    raise ValueError("handler failed")
+
+
+def _lets_it_through():
+    if mf.rank() == 0:
+        mf.remote_action(1, _boom).wait(30)  # the line the traceback must show
+    mf.barrier()
+
+
+@mf.persistent
+class Relays:
+    def m(self):
+        return mf.remote_action(2, _boom).wait(30)  # a method that lets it through
+
+
+@pytest.mark.timeout(60)
+def test_an_error_let_through_by_user_code_keeps_that_code_in_its_remote_traceback(transport):
+    with pytest.raises(ValueError, match="handler failed") as e:
+        mf.spmd(_lets_it_through, n=2, transport=transport)
+    text = str(e.value.__cause__)
+    assert "in _boom" in text and "Then raised in context 0" in text, text
+    assert "mf.remote_action(1, _boom).wait(30)" in text, text
+    assert "spmd/model.py" not in text.split("Then raised")[1], text
+
+    def main():
+        with pytest.raises(ValueError) as e:
+            Relays.create(on=1).m().result(timeout=30)
+        return str(e.value.__cause__)
+
+    text = mf.run(main, contexts=3, transport=transport)
+    assert "Traceback from context 2" in text and "Then raised in context 1" in text, text
+    assert "in m" in text.split("Then raised in context 1")[1], text

@@ -2561,12 +2561,42 @@ def call_token(call: Call, afid, eng):
 
 
 def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
-    if not hasattr(exc, "__mf_tb__"):
-        try:
+    try:
+        tb = getattr(exc, "__mf_tb__", None)
+        if tb is None:
             exc.__mf_tb__ = format_remote(exc, ctx)
-        except Exception:
-            pass
+        elif getattr(exc, "__mf_tb_seen__", None) != id(exc.__traceback__):
+            # an error from elsewhere that user code here let through (a
+            # function that waited for it): its frames here, after the others
+            exc.__mf_tb__ = tb + _passed_through(exc, ctx)
+            exc.__mf_tb_seen__ = id(exc.__traceback__)
+    except Exception:
+        pass
     return exc
+
+
+def _passed_through(exc: BaseException, ctx: int) -> str:
+    """The user's frames that ``exc`` passed through in this context, from the
+    first to the last (the runtime's around them left out), as text to add to
+    the traceback it brought from another; "" if none.
+
+    Example:
+        >>> def user():
+        ...     raise ValueError("from elsewhere")
+        >>> try:
+        ...     user()
+        ... except ValueError as e:
+        ...     text = _passed_through(e, 0)
+        >>> text.splitlines()[1], "in user" in text
+        ('Then raised in context 0 (most recent call last):', True)
+    """
+    entries = traceback.extract_tb(exc.__traceback__)
+    user = [i for i, fs in enumerate(entries)
+            if not (fs.filename.startswith(_CORE_DIR) or fs.filename in RUNTIME_FILES)]
+    if not user:
+        return ""
+    frames = traceback.format_list(entries[user[0]:user[-1] + 1])
+    return "\nThen raised in context %d (most recent call last):\n%s" % (ctx, "".join(frames))
 
 
 def _stand_in(exc: BaseException) -> errors.RemoteError:

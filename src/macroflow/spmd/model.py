@@ -51,10 +51,14 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
-from ..core.context import (RSR, Call, CallKind, Engine, Model, check_timeout, current_engine,
-                            register, register_model, rsr_frame)
+from ..core.context import (RSR, RUNTIME_FILES, Call, CallKind, Engine, Model, check_timeout,
+                            current_engine, register, register_model, rsr_frame)
 from ..core.future import FINISHED, CoroutineType, Future, run_coroutine, stale_future
 from ..core.threads import INTERRUPTS, getcurrent
+
+# remote tracebacks start at the user's code: the SPMD model's frames around it say nothing
+_HERE = os.path.dirname(os.path.abspath(__file__))
+RUNTIME_FILES.update(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".py"))
 
 KIND = "spmd"
 GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE, LOST = range(20, 30)
@@ -130,6 +134,12 @@ class Handle:
         self._f = f
         self._what = what
         self._arrived: Optional[List[float]] = None  # when the result came, for a timed wait
+
+    def __reduce__(self) -> Any:
+        # its future and engine are this context's: nothing elsewhere could wait for it
+        raise TypeError(f"{self!r} cannot leave the context that started it (a result, an "
+                        f"argument, a value in a message): wait() for it there and pass "
+                        f"its value")
 
     def test(self) -> bool:
         """Serve what has arrived, then say whether the operation is done.

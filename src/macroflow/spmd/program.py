@@ -218,7 +218,8 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
             fewer bytes than a function).
 
     Raises:
-        ValueError: ``rank`` is not a context of the computation.
+        ValueError: ``rank`` is not a context of the computation, or
+            ``handler`` is the empty str.
         TypeError: ``rank`` is not an integer, or ``handler`` is neither
             callable nor a str.
         macroflow.CallError: the handler or the arguments cannot be pickled.
@@ -248,6 +249,9 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
     if not (callable(handler) or isinstance(handler, str)):
         raise TypeError(f"mf.remote_action(): handler must be callable or the name of a "
                         f"registered handler; got {type(handler).__name__}")
+    if handler == "":
+        raise ValueError("mf.remote_action(): handler must be callable or the name of a "
+                         "registered handler; got '' (no handler has an empty name)")
     head, carried = action_head(handler)
     fid = (eng.id, next(eng.seq))  # eng.new_fid(), inline
     try:
