@@ -831,3 +831,21 @@ def test_macroflow_run_reports_a_syntax_error_once_before_any_rank_starts(tmp_pa
     """, cli=True)
     assert code == 1
     assert err.count("SyntaxError") == 1 and "MPI_Abort" not in err, err
+
+
+TOP_LEVEL_RUN = """
+    import macroflow as mf
+
+    def main():
+        return mf.rank()
+
+    print(mf.spmd(main, n=2))  # at the top level: it runs as the script loads
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_starts_a_computation_as_it_loads_is_told_where_it_went_wrong(tmp_path):
+    code, out, err = _mpiexec(tmp_path, 2, TOP_LEVEL_RUN, cli=True)
+    assert code != 0, (out, err)
+    assert "ended with its first computation" in err, err
+    assert 'if __name__ == "__main__":' in err, err
