@@ -21,6 +21,7 @@ from __future__ import annotations
 import operator
 import time
 import zlib
+from threading import get_ident
 from typing import Any, Callable, List, Optional
 
 import numpy as np
@@ -28,6 +29,7 @@ import numpy as np
 from ..core import errors
 from ..core.context import as_int, current_engine
 from ..core.future import Future
+from ..core.threads import getcurrent
 from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
                     local_future, model_of)
 
@@ -631,16 +633,25 @@ def barrier(timeout: Optional[float] = None) -> None:
         >>> mf.spmd(main, n=2, transport="inproc")
         [0, 1]
     """
-    eng = current_engine()
-    model = model_of(eng)
-    run = model.current_run("mf.barrier()")
+    # current_engine(), model_of() and model.current_run(), inline: a run's
+    # function calls barriers in loops (the Python calls are most of its cost)
+    w = getcurrent()
+    eng = getattr(w, "engine", None) or current_engine()
+    model = eng.models[SpmdModel.name]
+    call = getattr(w, "call", None)
+    run = model.by_call.get(call.fid) if call is not None else None
+    if run is None:
+        run = model.current_run("mf.barrier()")  # (which says what is wrong)
     shm = run.shm
     if shm is None or shm is _UNKNOWN:
         _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
         return
     if timeout is not None:
         _check_timeout(timeout, "mf.barrier()")
-    c = engine_side(eng, _fast_barrier, model, run, shm, "mf.barrier()")
+    if eng.user and eng.serving != get_ident():  # engine_side(), inline
+        c = eng._from_user(_fast_barrier, model, run, shm, "mf.barrier()")
+    else:
+        c = _fast_barrier(model, run, shm, "mf.barrier()")
     if c is not None:
         _wait(c, timeout)
 
