@@ -71,6 +71,18 @@ def spin_us_setting(spin_us: Any = None) -> float:
     return _check_spin(value, env, "the MACROFLOW_SPIN_US environment variable")
 
 
+def _switch(name: str, default: bool, off: str, on: str) -> bool:
+    # an environment variable that is 0 or 1 (``off``/``on`` say what each
+    # means in the error for anything else), or unset: ``default``
+    env = os.environ.get(name, "").strip()
+    if env == "":
+        return default
+    if env in ("0", "1"):
+        return env == "1"
+    raise ValueError(f"the {name} environment variable must be 0 ({off}) or 1 ({on}); "
+                     f"got {env!r}")
+
+
 def rings_setting() -> bool:
     """Whether contexts on one host send small frames through shared-memory
     rings (the default) rather than their sockets: MACROFLOW_RINGS=0 turns
@@ -82,13 +94,7 @@ def rings_setting() -> bool:
         >>> rings_setting()
         True
     """
-    env = os.environ.get("MACROFLOW_RINGS", "").strip()
-    if env in ("", "1"):
-        return True
-    if env == "0":
-        return False
-    raise ValueError(f"the MACROFLOW_RINGS environment variable must be 0 (sockets only) or 1 "
-                     f"(shared-memory rings on one host); got {env!r}")
+    return _switch("MACROFLOW_RINGS", True, "sockets only", "shared-memory rings on one host")
 
 
 def pin_setting() -> bool:
@@ -107,14 +113,8 @@ def pin_setting() -> bool:
         >>> pin_setting()
         False
     """
-    env = os.environ.get("MACROFLOW_PIN", "").strip()
-    if env in ("", "0"):
-        return False
-    if env == "1":
-        return True
-    raise ValueError(f"the MACROFLOW_PIN environment variable must be 0 (contexts move "
-                     f"between CPUs as the kernel likes) or 1 (each on a CPU of its own); "
-                     f"got {env!r}")
+    return _switch("MACROFLOW_PIN", False, "contexts move between CPUs as the kernel likes",
+                   "each on a CPU of its own")
 
 
 def _pin(ctx: int, cpus: Optional[List[int]]) -> None:

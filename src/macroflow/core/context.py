@@ -112,7 +112,6 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
-LOCAL_DECODED = True  # calls of plain values to this context skip the pickle (see issue)
 GLANCE_MIN_WAIT = 1e-3  # a wait with a shorter timeout parks at once (see _glance_for)
 POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
 POLLER_PERIOD = 50e-6  # ... then at most this long at a time while it has pollers
@@ -197,12 +196,16 @@ _get_ident = threading.get_ident
 RUNTIME_FILES: set = set()
 
 
+def _runtime_file(filename: str) -> bool:
+    # the core's and the models' code: a remote traceback leaves its frames out
+    return filename.startswith(_CORE_DIR) or filename in RUNTIME_FILES
+
+
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and \
-            (tb.tb_frame.f_code.co_filename.startswith(_CORE_DIR)
-             or tb.tb_frame.f_code.co_filename in RUNTIME_FILES):
+            _runtime_file(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     tb = "".join(traceback.format_exception(type(exc), exc, tb))
     return f'Traceback from context {ctx}:\n{tb}'
@@ -460,8 +463,7 @@ class Engine:
         # a call to this very context, of plain values only, is queued as it is
         # (see _process): nothing in it can change, so call-by-value holds
         # without the pickle and its decoding
-        queued = plain and dest == self.id and self.relay_to is None and LOCAL_DECODED \
-            and _shareable(target)
+        queued = plain and dest == self.id and self.relay_to is None and _shareable(target)
         try:
             if queued:
                 data = bufs = None
@@ -620,11 +622,9 @@ class Engine:
         if isinstance(w, Worker):
             call = w.call
             eng = w.engine
-            if eng.glance is not None and (timeout is None or timeout >= GLANCE_MIN_WAIT) \
-                    and not (eng.inbox or eng.ready or eng.lost_queue or eng.pollers):
+            if eng.glance is not None and (timeout is None or timeout >= GLANCE_MIN_WAIT):
                 # the answer is often a few microseconds away: look for it
-                # before parking (two switches and a pass of the engine's loop);
-                # not while something completes without a message (a poller)
+                # before parking (two switches and a pass of the engine's loop)
                 eng._glance_for(f)
                 if f._state == FINISHED:
                     return
@@ -665,8 +665,7 @@ class Engine:
                 raise r
             return
         if timeout is None and self.driver is self:
-            if self.glance is not None and not (self.inbox or self.ready or self.lost_queue
-                                                or self.pollers):
+            if self.glance is not None:
                 self._glance_for(f)  # (the transport's spin makes system calls)
             step = self.step
             while f._state != FINISHED:  # the common wait, without a predicate call per step
@@ -705,13 +704,16 @@ class Engine:
                                       f"{came[0] - due:.3g} s after that)")
 
     def _glance_for(self, f: Future) -> None:
-        # from a thread, with nothing else to do here: what arrives meanwhile
-        # is taken as the engine's own poll takes it (a value for f at once;
-        # anything else queued, which ends the look)
+        # Only with nothing else to do here, and nothing that completes without
+        # a message (a poller: the look would not see it). What arrives
+        # meanwhile is taken as the engine's own poll takes it (a value for f
+        # at once; anything else queued, which ends the look).
         def glanced() -> bool:  # (counted with the spin, not the call: tests/common.SPIN)
             return f._state == FINISHED or bool(self.inbox or self.ready or self.lost_queue
                                                 or self.pollers)
 
+        if glanced():
+            return
         dispatching, self.dispatching = self.dispatching, False
         try:
             self.glance(glanced)
@@ -1023,8 +1025,7 @@ class Engine:
             raise  # Ctrl-C ends the program, it is not the call's exception
         except BaseException as e:
             self.stats.calls_executed += 1
-            if isinstance(e, SystemExit) and not isinstance(e, errors.Terminated) \
-                    and not getattr(self.call_kinds.get(call.kind), "keeps_exit", False):
+            if not getattr(self.call_kinds.get(call.kind), "keeps_exit", False):
                 e = errors.exited(f"{self._call_label(call)} on context {self.id}", e)
             self._finish(call, False, e)
             return
@@ -2591,8 +2592,7 @@ def _passed_through(exc: BaseException, ctx: int) -> str:
         ('Then raised in context 0 (most recent call last):', True)
     """
     entries = traceback.extract_tb(exc.__traceback__)
-    user = [i for i, fs in enumerate(entries)
-            if not (fs.filename.startswith(_CORE_DIR) or fs.filename in RUNTIME_FILES)]
+    user = [i for i, fs in enumerate(entries) if not _runtime_file(fs.filename)]
     if not user:
         return ""
     frames = traceback.format_list(entries[user[0]:user[-1] + 1])

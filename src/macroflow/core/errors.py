@@ -211,16 +211,21 @@ class Terminated(SystemExit):
     """
 
 
-def exited(what: str, e: SystemExit) -> MacroflowError:
-    """The error that user code's ``sys.exit()`` becomes where a computation
-    runs it (a method, a constructor, a remote action's handler): that
-    code's failure, which its caller gets as an error, not the caller's own
-    exit (``e`` is its cause).
+def exited(what: str, e: BaseException) -> BaseException:
+    """What an exception raised by user code that a computation runs (a
+    method, a constructor, a remote action's handler: ``what``) fails its
+    call with: ``e`` itself, but for ``sys.exit()`` an error of that call,
+    which its caller gets, not the caller's own exit (``e`` is its cause).
+    A ``Terminated`` (the process was asked to end) stays as it is.
 
     Example:
         >>> print(exited("method Acc.add on context 1", SystemExit(3)))
         method Acc.add on context 1 called sys.exit(3): code run by macroflow returns or raises; this call failed
+        >>> exited("method Acc.add on context 1", KeyError("k"))
+        KeyError('k')
     """
+    if not isinstance(e, SystemExit) or isinstance(e, Terminated):
+        return e
     how = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
     err = MacroflowError(f"{what} called {how}: code run by macroflow returns or raises; "
                          f"this call failed")

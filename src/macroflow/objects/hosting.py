@@ -345,8 +345,7 @@ class ObjectHost(Model):
             except INTERRUPTS:
                 raise
             except BaseException as e:
-                if isinstance(e, SystemExit) and not isinstance(e, errors.Terminated):
-                    e = errors.exited(f"{cls.__qualname__}() on context {eng.id}", e)
+                e = errors.exited(f"{cls.__qualname__}() on context {eng.id}", e)
                 obj.state, obj.error = "broken", e
                 eng._finish(call, False, e)
                 self._release(obj)

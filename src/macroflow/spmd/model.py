@@ -46,7 +46,6 @@ import itertools
 import os
 import pickle
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -133,7 +132,6 @@ class Handle:
         self._eng = eng
         self._f = f
         self._what = what
-        self._arrived: Optional[List[float]] = None  # when the result came, for a timed wait
 
     def __reduce__(self) -> Any:
         # its future and engine are this context's: nothing elsewhere could wait for it
@@ -207,18 +205,9 @@ class Handle:
             if f._exc is not None:
                 raise f._exc
             return f._value
-        deadline = time.monotonic() + timeout
-        arrived = self._arrived
-        if arrived is None:  # once per handle, however often it is waited for
-            arrived = self._arrived = []
-            engine_side(self._eng, f.add_done_callback,
-                        lambda _: arrived.append(time.monotonic()))
         try:
-            f.exception(timeout)
-            late = bool(arrived) and arrived[0] > deadline
+            f.exception(timeout)  # (a value that came after the deadline is late too)
         except errors.TimeoutError:
-            late = True
-        if late:
             raise errors.TimeoutError(f"{describe(self._what)}: not done after {timeout} s "
                                       f"(it goes on: wait again for it)") from None
         return f.result()
@@ -425,8 +414,7 @@ def serve_action(model: "SpmdModel", a0: int, a1: int, handler: Any, args: tuple
     except INTERRUPTS:
         raise  # Ctrl-C ends the program, it is not the handler's exception
     except BaseException as e:
-        if isinstance(e, SystemExit) and not isinstance(e, errors.Terminated):
-            e = errors.exited(f"remote action {_name(handler)} on context {eng.id}", e)
+        e = errors.exited(f"remote action {_name(handler)} on context {eng.id}", e)
         ok, value = False, e
     finally:
         w.call = None
