@@ -9,11 +9,12 @@ import struct
 import threading
 import time
 
+import greenlet
 import numpy as np
 import pytest
 
 import macroflow as mf
-from macroflow.core.context import current_engine
+from macroflow.core.context import Worker, current_engine
 from macroflow.launch import rings_setting
 from macroflow.transport import local, ring
 from macroflow.transport.local import LocalTransport
@@ -717,3 +718,56 @@ def test_a_glance_that_was_preempted_stops_and_calms_the_spin(monkeypatch):
     ring.glance(t, lambda: False)
     assert t.looks == 1 and t.spins_preempted == 1
     assert t.calm_until == 0.5 + ring.GLANCE_CALM
+
+
+def _patient_glances():
+    """Make the glance of this context's main thread wait as long as it
+    takes, so that every answer is caught by a glance and no wait of the
+    main thread steps the engine's loop."""
+    eng = current_engine()
+    t = eng.transport
+
+    def patient(stop):  # (the sockets too: a ring is set up by frames on them)
+        if isinstance(greenlet.getcurrent(), Worker):
+            return  # a method's thread parks: the main thread is the one that waits
+        while not stop():
+            t.flush()
+            t.poll(0)
+
+    eng.glance = patient
+
+
+def test_releases_go_out_when_every_answer_is_caught_by_a_glance():
+    # A wait whose answer a glance catches returns without a step of the
+    # engine's loop; the releases of dropped futures must still go out.
+    with mf.init(contexts=2, transport="local"):
+        _patient_glances()
+        s = _Slow.create(on=1)
+        for i in range(300):
+            assert s.work(0).result() == 0  # (a wait with no timeout glances)
+        held = mf.stats()[1]["values_held"]
+    assert held < 100, f"context 1 still holds {held} values of 300 dropped futures"
+
+
+@mf.persistent
+class _TimesOut:
+    def wait_on(self, slow):
+        f = slow.work(2e6)
+        start = time.monotonic()
+        with pytest.raises(mf.TimeoutError):
+            f.result(0.05)
+        return time.monotonic() - start  # how long the 0.05 s wait took
+
+
+def test_a_timer_fires_when_every_answer_is_caught_by_a_glance():
+    # A thread of context 0 waits with a timeout while the main thread's
+    # calls are all answered within glances: the timer still fires.
+    with mf.init(contexts=3, transport="local"):
+        _patient_glances()
+        s = _Slow.create(on=1)
+        w = _TimesOut.create(on=0).wait_on(_Slow.create(on=2))
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert s.work(0).result() == 0
+        took = w.result(30)
+    assert took < 0.5, f"a 0.05 s timeout fired after {took:.3f} s"

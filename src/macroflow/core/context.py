@@ -714,6 +714,16 @@ class Engine:
 
         if glanced():
             return
+        # A wait whose answer the glance catches returns without a step: the
+        # step's chores are done here, or left to the step when one is due.
+        if self.n_releases >= RELEASE_BATCH:
+            self.flush_releases()
+            self.transport.flush()
+        if self.timers or self.blocked:
+            now = time.monotonic()
+            if (self.timers and self.timers[0][0] <= now) or \
+                    (self.blocked and self.next_probe <= now):
+                return
         dispatching, self.dispatching = self.dispatching, False
         try:
             self.glance(glanced)
