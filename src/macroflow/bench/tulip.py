@@ -150,7 +150,7 @@ class Config:
 
 
 FULL = Config("full", batches=10, iters_small=150, iters_large=30, warmup=20, pingpongs=150,
-              barriers=200, delay_us=100.0, shm_barriers=3000, rounds=3, timeout_s=300)
+              barriers=1000, delay_us=100.0, shm_barriers=3000, rounds=5, timeout_s=300)
 QUICK = Config("quick", batches=2, iters_small=20, iters_large=5, warmup=3, pingpongs=20,
                barriers=15, delay_us=100.0, shm_barriers=200, rounds=1, timeout_s=120)
 
