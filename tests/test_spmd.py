@@ -879,7 +879,7 @@ def test_a_collective_that_times_out_names_the_contexts_that_did_not_arrive():
 
 def fails_while_the_other_polls(how):
     flag = np.zeros(1)
-    ptrs = mf.allgather(mf.register(flag))
+    mf.allgather(mf.register(flag))  # (a collective: both have registered)
     if mf.rank() == 1:
         if how == "raise":
             raise ValueError("context 1 gives up")

@@ -19,7 +19,7 @@ import platform
 import signal
 import sys
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 
 def script_problem(path: str) -> Optional[str]:

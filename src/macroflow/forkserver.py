@@ -32,7 +32,7 @@ import select
 import signal
 import socket
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 _MAX_PACKET = 1 << 24
 

@@ -359,7 +359,7 @@ class ForkLauncher(Launcher):
         self.affinity: Optional[set] = None  # context 0's own, given back at the end
 
     def start(self, placement: Placement, spin_us: float) -> Engine:
-        from .transport.local import LocalTransport, Mesh, nofile_error
+        from .transport.local import Mesh, nofile_error
         s = self.session
         n = s.size
         mesh = Mesh(s.computation, n)

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import greenlet
 

@@ -64,7 +64,6 @@ import hmac
 import logging
 import math
 import os
-import random
 import secrets
 import select
 import socket
