@@ -743,7 +743,7 @@ def test_releases_go_out_when_every_answer_is_caught_by_a_glance():
     with mf.init(contexts=2, transport="local"):
         _patient_glances()
         s = _Slow.create(on=1)
-        for i in range(300):
+        for _ in range(300):
             assert s.work(0).result() == 0  # (a wait with no timeout glances)
         held = mf.stats()[1]["values_held"]
     assert held < 100, f"context 1 still holds {held} values of 300 dropped futures"

@@ -720,9 +720,7 @@ class Engine:
             self.flush_releases()
             self.transport.flush()
         if self.timers or self.blocked:
-            now = time.monotonic()
-            if (self.timers and self.timers[0][0] <= now) or \
-                    (self.blocked and self.next_probe <= now):
+            if self.next_due() <= time.monotonic():  # type: ignore[operator]
                 return
         dispatching, self.dispatching = self.dispatching, False
         try:
