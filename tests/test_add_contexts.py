@@ -109,6 +109,18 @@ def test_bad_arguments_are_refused(run, n, init, match):  # noqa: D103
     assert run(main, contexts=2) == 2
 
 
+def test_more_contexts_than_the_host_holds_are_refused_before_any_starts(run):
+    def main():
+        with pytest.raises(mf.LimitError, match=r"mf.add_contexts\(1000000\): this host "
+                                                 r"cannot hold 1000000 more") as info:
+            mf.add_contexts(1000000)
+        return info.value.limit, mf.num_contexts(), [c.state for c in mf.contexts()]
+
+    limit, n, states = run(main, contexts=2)
+    assert limit == "memory"  # 1,000,000 contexts need more than 24 GB on any transport
+    assert n == 2 and states == ["running", "running"]  # nothing was started
+
+
 @mf.persistent
 class Adder:
     def add(self):

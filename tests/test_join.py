@@ -125,6 +125,7 @@ def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharm
         code, err = serve_until_done(w)
         assert code == 1
         assert "could not join" in err and "secret" in err
+        assert err.count("does not know this context's secret") == 1, err  # said once
         assert mf.num_contexts() == 2
         assert Where.create(on=1).here().result()[0] == 1
 

@@ -652,11 +652,14 @@ def test_stats_timeout_names_the_contexts_that_did_not_answer(tmp_path):
         with pytest.raises(mf.TimeoutError, match=r"mf\.stats\(\): context 1 did not answer "
                                                  r"within 0\.2 s"):
             mf.stats(timeout=0.2)
+        with pytest.raises(mf.TimeoutError, match=r"contexts 1, 2 did not answer within 0 s"):
+            mf.stats(timeout=0)  # nothing waited for; this context is never late
         open(release, "w").close()
         assert held.hold(release).result() == "released"
         return sorted(mf.stats(timeout=30))
 
     assert mf.run(main, contexts=3, transport="local") == [0, 1, 2]
+    assert sorted(mf.run(lambda: mf.stats(timeout=0), contexts=1, transport="local")) == [0]
 
 
 def test_numpy_out_of_band_roundtrip(run):

@@ -692,6 +692,7 @@ def bytes_like_puts():
         mf.put(to_small[1:3], memoryview(b"\x09\x08")).wait()
         mf.put(to_wide, array.array("d", [0.5, 1.5])).wait()
         for name, gp, data in [("short", to_raw, b"abc"),
+                               ("one", to_small[:2], b"a"),
                                ("raw bytes, wider items", to_wide, bytes(16)),
                                ("str", to_raw, "abcdefgh"),
                                ("items of another type", to_small, memoryview(np.zeros(1, np.uint32))),
@@ -710,6 +711,7 @@ def test_put_takes_bytes_like_data_whose_items_are_the_memorys(transport):
     assert res[1][:3] == (b"abcdefgh", [1, 9, 8, 4], [0.5, 1.5])
     errs = res[0][3]
     assert errs["short"] == "ValueError: mf.put(): data has 3 elements, the pointer's range [0:8] has 8"
+    assert errs["one"] == "ValueError: mf.put(): data has 1 element, the pointer's range [0:2] has 2"
     assert errs["raw bytes, wider items"].startswith(
         "TypeError: mf.put(): data is 16 raw bytes, and the pointer's memory holds float64 "
         "(8 bytes each): put 2 elements of float64 (np.frombuffer(data, dtype=np.float64)")
@@ -725,6 +727,12 @@ def test_collectives_outside_a_run_say_where_they_belong():
     with mf.init(contexts=1, transport="inproc"):
         with pytest.raises(RuntimeError, match="function of an SPMD run"):
             mf.barrier()
+    # with no computation at all, the error names the way an SPMD program starts
+    for call in (mf.barrier, lambda: mf.allreduce(1), mf.rank, mf.size,
+                 lambda: mf.register(np.zeros(2)), lambda: mf.remote_action(0, print)):
+        with pytest.raises(RuntimeError, match=r"not running: run the function on every "
+                                               r"context with mf.spmd\(fn, n=N\)"):
+            call()
     with pytest.raises(ValueError, match="n must be a positive int"):
         mf.spmd(print, n=0)
     with pytest.raises(TypeError, match="fn must be callable"):

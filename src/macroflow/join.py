@@ -34,6 +34,7 @@ contexts (``ContextLost``), and the computation goes on.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -339,6 +340,10 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
     multi.control["refused"] = lambda src, p: answer.append(("refused", p))
     lost: List[str] = []
     multi.attach(lambda *a: None, lambda peer, how: lost.append(how))
+    # a failed join is said once, below, with its reason: not by the door's log too
+    tcp_log = logging.getLogger("macroflow.tcp")
+    level = tcp_log.level
+    tcp_log.setLevel(logging.ERROR)
     try:
         multi.learn(0, (("tcp", connect),))
         multi.send_control(0, "join", {"n": n, "tcp": addresses, "node": node_name()})
@@ -349,6 +354,7 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
         lost.append(str(e))
     finally:
         multi.close()
+        tcp_log.setLevel(level)
     if not answer:
         for s in listeners:
             s.close()

@@ -698,6 +698,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         MacroflowError: ``init`` raised in a new context (with its traceback;
             that context is not used, the others are).
         ContextLost: a new context died before it reported in.
+        LimitError: this host cannot hold ``n`` more contexts (too little
+            memory, or RLIMIT_NPROC): found before any is started.
 
     Example:
         >>> import macroflow as mf
@@ -718,6 +720,14 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     s = _main_session("mf.add_contexts()")
     eng = s.engine
     assert eng is not None
+    check = getattr(load_transport(s.transport_name), "check_room", None)
+    if check is not None:
+        try:
+            check(n + 1)  # n more, before any is started (as mf.run checks)
+        except errors.LimitError as e:
+            raise errors.LimitError(e.limit, f"mf.add_contexts({n}): this host cannot hold "
+                                             f"{n} more contexts (checked as for a computation "
+                                             f"of {n + 1}): {e}") from None
     ids = list(range(eng.size, eng.size + n))
     s.launcher.add(ids, init)
     eng.grow(ids[-1] + 1)

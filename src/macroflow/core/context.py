@@ -2660,8 +2660,11 @@ class _State:
 _state = _State()
 
 
-def current_engine() -> Engine:
+def current_engine(usage: Optional[str] = None) -> Engine:
     """The engine of the context running this code; raises if none is running.
+
+    ``usage`` is what the error says to do instead (a model's functions name
+    the way their programs start); by default, mf.run or mf.init.
 
     Example:
         >>> import macroflow as mf
@@ -2674,8 +2677,8 @@ def current_engine() -> Engine:
     if eng is None:
         eng = _state.current or _state.default
         if eng is None:
-            raise RuntimeError("macroflow is not running: use mf.run(main, contexts=N) "
-                               "or 'with mf.init(contexts=N):'")
+            raise RuntimeError("macroflow is not running: " + (
+                usage or "use mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
         me = threading.get_ident()
         if me != eng.thread and me != eng.serving:
             # one thread runs a context's engine (and the service thread for

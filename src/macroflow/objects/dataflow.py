@@ -186,9 +186,12 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
     if timeout is not None:
         _done, late = wait(list(futs.values()), timeout)
         if late:
-            silent = [c for c, f in futs.items() if not f.done()]
-            raise errors.TimeoutError(
-                f"mf.stats(): context{'s' if len(silent) > 1 else ''} "
-                f"{', '.join(map(str, silent))} did not answer within {timeout} s "
-                f"(a context answers between two method runs)")
+            # this context answers as soon as this wait lets it run the call
+            # (a timeout of 0 lets it run nothing): only the others can be late
+            silent = [c for c, f in futs.items() if not f.done() and c != eng.id]
+            if silent:
+                raise errors.TimeoutError(
+                    f"mf.stats(): context{'s' if len(silent) > 1 else ''} "
+                    f"{', '.join(map(str, silent))} did not answer within {timeout} s "
+                    f"(a context answers between two method runs)")
     return {c: f.result() for c, f in futs.items()}

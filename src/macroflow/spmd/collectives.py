@@ -30,8 +30,8 @@ from ..core import errors
 from ..core.context import as_int, current_engine
 from ..core.future import Future
 from ..core.threads import getcurrent
-from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, WAKE, Run, SpmdModel, engine_side,
-                    local_future, model_of)
+from .model import (_UNKNOWN, CAUGHT, COLL, CORES, STATUS, USAGE, WAKE, Run, SpmdModel,
+                    engine_side, local_future, model_of)
 
 STATUS_WAIT = 2.0  # seconds a timed-out collective waits for the others to say how far they got
 CHECK_AFTER = 1.0  # a collective still waiting after this long asks the others what they
@@ -404,7 +404,7 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
 
 def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root: int,
            opname: Optional[str] = None) -> Collective:
-    eng = current_engine()
+    eng = current_engine(USAGE)
     model = model_of(eng)
     run = model.current_run(name)
     r = as_int(root)  # an int, or a numpy integer
@@ -636,7 +636,7 @@ def barrier(timeout: Optional[float] = None) -> None:
     # current_engine(), model_of() and model.current_run(), inline: a run's
     # function calls barriers in loops (the Python calls are most of its cost)
     w = getcurrent()
-    eng = getattr(w, "engine", None) or current_engine()
+    eng = getattr(w, "engine", None) or current_engine(USAGE)
     model = eng.models[SpmdModel.name]
     call = getattr(w, "call", None)
     run = model.by_call.get(call.fid) if call is not None else None

@@ -64,6 +64,9 @@ GET, PUT, MEMREPLY, COLL, ENDED, STATUS, STATUS_REPLY, REVOKED, WAKE, LOST = ran
 _UNKNOWN = object()
 CAUGHT = " (caught): "  # in an ENDED's failure: the function caught it and returned
 CORES = os.cpu_count() or 1  # more contexts than this on the host: oversubscribed
+#: what an SPMD function called outside any computation says to do instead
+USAGE = ("run the function on every context with mf.spmd(fn, n=N) (or start a computation: "
+         "mf.run(main, contexts=N), 'with mf.init(contexts=N):')")
 _RUNS_KEPT = 8  # runs whose messages are still routed after their function ended here
 _EARLY_RUNS_MAX = 64  # runs not started here whose early messages are kept
 

@@ -33,7 +33,7 @@ from ..core.future import current_engine_of
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from . import memory
-from .model import (GET, PUT, REVOKED, Done, Handle, engine_side, env_onesided, local_future,
+from .model import (GET, PUT, REVOKED, USAGE, Done, Handle, engine_side, env_onesided, local_future,
                     model_of)
 
 #: the largest get read through an MPI window by default; larger ones are
@@ -103,7 +103,7 @@ class MemoryPointer(GlobalPointer):
             start = 0 if key.start is None else _index(key.start, n, "start")
             stop = n if key.stop is None else _index(key.stop, n, "stop")
             if stop < start:
-                raise IndexError(f"slice [{key.start}:{key.stop}] of a pointer to {n} elements "
+                raise IndexError(f"slice [{key.start}:{key.stop}] of a pointer to {_elements(n)} "
                                  f"ends before it starts")
         elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             start = _index(key, n, "index")
@@ -130,13 +130,17 @@ class MemoryPointer(GlobalPointer):
                 f"[{self.offset}:{self.offset + self.length}] of {self.dtype})")
 
 
+def _elements(n: int) -> str:
+    return "1 element" if n == 1 else f"{n} elements"
+
+
 def _index(i: Any, n: int, what: str) -> int:
     """A slice bound (0..n, or -n..-1 from the end) or an element index (0..n-1)."""
     i = int(i)
     top = n if what != "index" else n - 1
     j = i + n if i < 0 else i
     if not 0 <= j <= top:
-        raise IndexError(f"{what} {i} is outside the pointer's range of {n} elements "
+        raise IndexError(f"{what} {i} is outside the pointer's range of {_elements(n)} "
                          f"(0..{top})")
     return j
 
@@ -170,7 +174,7 @@ def register(buffer: Any) -> MemoryPointer:
         >>> mf.spmd(main, n=2, transport="inproc")
         [array([2., 2., 2.]), array([1., 1., 1.])]
     """
-    eng = current_engine()
+    eng = current_engine(USAGE)
     if isinstance(buffer, np.ndarray):
         arr = buffer
     else:
@@ -366,7 +370,7 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
         arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)
     elif isinstance(data, str):
         raise TypeError(f"mf.put(): data is a str; put bytes (data.encode()) into memory of "
-                        f"1-byte items, or {len(gp)} elements of {dt}")
+                        f"1-byte items, or {_elements(len(gp))} of {dt}")
     else:
         try:
             view: Optional[memoryview] = memoryview(data)
@@ -378,7 +382,7 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
             try:
                 arr = np.asarray(data, dtype=dt)
             except (TypeError, ValueError, OverflowError) as e:
-                raise TypeError(f"mf.put(): data cannot be made {len(gp)} elements of {dt}: "
+                raise TypeError(f"mf.put(): data cannot be made {_elements(len(gp))} of {dt}: "
                                 f"{e}") from None
     _check_array(arr, gp, "put", "data")
     return _transfer(eng, gp, "put", _bytes(arr), None)
@@ -398,8 +402,8 @@ def _from_buffer(view: memoryview, gp: MemoryPointer) -> np.ndarray:
     if view.format.lstrip("@=<>!") in ("B", "b", "c"):  # raw bytes
         if dt.itemsize != 1:
             raise TypeError(f"mf.put(): data is {view.nbytes} raw bytes, and the pointer's "
-                            f"memory holds {dt} ({dt.itemsize} bytes each): put {len(gp)} "
-                            f"elements of {dt} (np.frombuffer(data, dtype=np.{dt.name}) reads "
+                            f"memory holds {dt} ({dt.itemsize} bytes each): put "
+                            f"{_elements(len(gp))} of {dt} (np.frombuffer(data, dtype=np.{dt.name}) reads "
                             f"bytes laid out as {dt})")
         arr = np.ascontiguousarray(arr).view(dt)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
@@ -473,7 +477,7 @@ def _check_array(a: np.ndarray, gp: MemoryPointer, who: str, name: str) -> None:
         raise TypeError(f"mf.{who}(): {name} has dtype {a.dtype}, the pointer's memory holds "
                         f"{gp.dtype} (no conversion is made: convert it first)")
     if a.size != gp.length:
-        raise ValueError(f"mf.{who}(): {name} has {a.size} elements, the pointer's range "
+        raise ValueError(f"mf.{who}(): {name} has {_elements(a.size)}, the pointer's range "
                          f"[{gp.offset}:{gp.offset + gp.length}] has {gp.length}")
     if not a.flags.c_contiguous:
         raise ValueError(f"mf.{who}(): {name} must be C-contiguous")

@@ -13,7 +13,7 @@ from ..core.future import CallSite, Future, running_computation
 from ..core.threads import getcurrent
 from . import memory, shmbarrier
 from .collectives import _check_timeout
-from .model import HANDLERS, KIND, Handle, _name, action_head, env_timeout, model_of
+from .model import HANDLERS, KIND, USAGE, Handle, _name, action_head, env_timeout, model_of
 
 
 def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
@@ -179,7 +179,7 @@ def rank() -> int:
         >>> mf.spmd(mf.rank, n=2, transport="inproc")
         [0, 1]
     """
-    return current_engine().id
+    return current_engine(USAGE).id
 
 
 def size() -> int:
@@ -191,7 +191,7 @@ def size() -> int:
         >>> mf.spmd(mf.size, n=2, transport="inproc")
         [2, 2]
     """
-    eng = current_engine()
+    eng = current_engine(USAGE)
     run = model_of(eng).any_run()
     return eng.size if run is None else run.size
 
@@ -237,7 +237,7 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
         [(1, 0), (0, 1)]
     """
     # current_engine()'s first look, inline: a handler's or method's thread knows its engine
-    eng = getattr(getcurrent(), "engine", None) or current_engine()
+    eng = getattr(getcurrent(), "engine", None) or current_engine(USAGE)
     r = rank if type(rank) is int else as_int(rank)  # an int, or a numpy integer
     if r is None:
         raise TypeError(f"mf.remote_action(): rank must be an int (a context id); got "

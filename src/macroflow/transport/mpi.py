@@ -2199,7 +2199,6 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         blob, bufs = marshal.dumps(init)
         if bufs:
             raise ValueError("init must be a function (it pickled with out-of-band buffers)")
-        check_room(len(ids) + 1)
         try:
             inter, parent, hellos = spawn(len(ids), "macroflow.transport.mpi:_serve_added")
         except MPI.Exception as e:
