@@ -594,7 +594,7 @@ def test_a_context_that_dies_fails_the_remote_actions_waiting_on_it(transport):
     if transport == "inproc":
         pytest.skip("one process: exiting ends every context")
     if transport == "mpi":
-        pytest.skip("under MPI a rank that dies ends the job (see the guide's MPI section)")
+        pytest.skip("under MPI a rank that dies ends the others too (test_transport_mpi.py tests it)")
     with mf.init(contexts=3, transport=transport):
         assert mf.remote_action(1, pong).wait(timeout=30) == 1
         h = mf.remote_action(1, os._exit, 3)
@@ -942,7 +942,7 @@ def test_a_context_that_dies_fails_the_collectives_waiting_on_it(transport):
     if transport == "inproc":
         pytest.skip("one process: exiting ends every context")
     if transport == "mpi":
-        pytest.skip("under MPI a rank that dies ends the job (see the guide's MPI section)")
+        pytest.skip("under MPI a rank that dies ends the others too (test_transport_mpi.py tests it)")
     with pytest.raises(mf.ContextLost):
         mf.spmd(dies, n=2, transport=transport)
 

@@ -293,7 +293,8 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
     if mpiexec is None:
         args.parser.error("--transport mpi needs mpiexec, found neither beside this Python nor "
                           "on PATH (pip install \"macroflow[mpi]\" brings one)")
-    shm_before = _mpich_shm()
+    from macroflow.transport.mpi import in_use, mpich_shm_files
+    shm_before = mpich_shm_files()
     with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
         table = os.path.join(tmp, "contexts")
         env = dict(os.environ, **{CONTEXTS_FILE: table})
@@ -319,8 +320,8 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
             if text is not None:
                 print(f"macroflow: {text}", file=sys.stderr)
             # an aborted job leaves MPICH's shared-memory files behind
-            for path in _mpich_shm() - shm_before:
-                if not _in_use(path):
+            for path in mpich_shm_files() - shm_before:
+                if not in_use(path):
                     try:
                         os.unlink(path)
                     except OSError:
@@ -351,28 +352,6 @@ def _end_job(p: Any) -> int:
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             continue
     return 130
-
-
-def _mpich_shm() -> set:
-    """MPICH's shared-memory files in /dev/shm now."""
-    import glob
-    return set(glob.glob("/dev/shm/mpich_shm_*"))
-
-
-def _in_use(path: str) -> bool:
-    """Whether any process here has ``path`` open or mapped."""
-    import glob
-    for d in glob.glob("/proc/[0-9]*"):
-        try:
-            for fd in os.listdir(d + "/fd"):
-                if os.readlink(f"{d}/fd/{fd}") == path:
-                    return True
-            with open(d + "/maps") as f:
-                if path in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -277,6 +277,289 @@ def process_manager_pids() -> List[int]:
     return found
 
 
+class DeathWatch:
+    """Hears of the spawned ranks of this process that die (a signal,
+    ``os._exit``): MPI cannot tell, and its process manager then ends every
+    spawned rank while this process, which MPI started alone, waits on.
+
+    A listening socket in Linux's abstract namespace, served by a thread:
+    each rank spawned from this process connects at its start and sends its
+    pid; one that ends in order sends a byte first (:func:`_leave`). A
+    connection that closes without it is a rank that died. Connections close
+    as their processes end, in the order they end, before the process
+    manager (which sees the same closing) can end the others: so the first
+    reported is the one that died. ``on_death(pid, status)`` is called in the
+    watcher's thread (``status`` is the wait status when it could be read
+    from /proc before the process was reaped, else None).
+
+    Example:
+        >>> seen = []
+        >>> w = DeathWatch("doc-example", lambda pid, status: seen.append(pid))
+        >>> import subprocess, sys
+        >>> code = ("import os; from macroflow.transport.mpi import DeathWatch; "
+        ...         f"DeathWatch.report_to({w.name!r}); os._exit(3)")
+        >>> p = subprocess.Popen([sys.executable, "-c", code]); _ = p.wait()
+        >>> w.wait_for(1, 10.0) and seen == [p.pid]
+        True
+        >>> w.close()
+    """
+
+    _mine: Optional["DeathWatch"] = None  # this process's, for the ranks it spawns
+    _reporting: Optional[socket.socket] = None  # in a spawned rank: its connection
+    PID = struct.Struct("<Q")
+
+    def __init__(self, name: str, on_death: Callable[[int, Optional[int]], None]):
+        self.name = name
+        self.address = self.address_of(name)
+        self.on_death = on_death
+        self.deaths: List[int] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.address)
+        self.listener.listen(64)
+        self._stop_r, self._stop_w = os.pipe()
+        self._cond = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, name="macroflow-death-watch",
+                                       daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def here(cls) -> Optional["DeathWatch"]:
+        """This process's watch (started at its first spawn), or None where
+        abstract sockets cannot be made."""
+        if cls._mine is None:
+            try:
+                cls._mine = DeathWatch(f"{os.getpid()}-{secrets_token()}", _report_death)
+            except OSError:
+                return None
+        return cls._mine
+
+    def _serve(self) -> None:
+        import select
+        conns: Dict[socket.socket, list] = {}  # -> [pid or None, bytes so far, bye said]
+        try:
+            while True:
+                ready = select.select([self.listener, self._stop_r, *conns], [], [])[0]
+                if self._stop_r in ready:
+                    return
+                gone = []
+                for c in ready:
+                    if c is self.listener:
+                        try:
+                            conn, _ = self.listener.accept()
+                        except OSError:
+                            continue
+                        conns[conn] = [None, b"", False]
+                        continue
+                    st = conns[c]
+                    try:
+                        data = c.recv(64)
+                    except OSError:
+                        data = b""
+                    if data:
+                        st[1] += data
+                        if st[0] is None and len(st[1]) >= self.PID.size:
+                            st[0] = self.PID.unpack_from(st[1])[0]
+                            st[1] = st[1][self.PID.size:]
+                        if st[1]:
+                            st[2] = True
+                        continue
+                    gone.append(c)
+                for c in gone:  # ended together: in one go
+                    pid, _, bye = conns.pop(c)
+                    c.close()
+                    if pid is not None and not bye:
+                        with self._cond:
+                            self.deaths.append(pid)
+                            self._cond.notify_all()
+                        try:
+                            self.on_death(pid, _status_when_ended(pid))
+                        except Exception:
+                            traceback.print_exc()
+        finally:
+            for c in conns:
+                c.close()
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        """Wait until ``n`` deaths have been heard of; True if they were."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.deaths) >= n, timeout)
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self.thread.join(5.0)
+        self.listener.close()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        if DeathWatch._mine is self:
+            DeathWatch._mine = None
+
+    @staticmethod
+    def address_of(name: str) -> bytes:
+        # (a name, not the address, is passed to spawned ranks: MPI's process
+        # manager drops the backslashes of their arguments)
+        return f"\0macroflow-watch-{name}".encode()
+
+    @classmethod
+    def report_to(cls, name: str) -> None:
+        """In a spawned rank: connect to the parent's watch (nothing if it cannot)."""
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(cls.address_of(name))
+            s.sendall(cls.PID.pack(os.getpid()))
+            cls._reporting = s
+        except OSError:
+            pass
+
+    @classmethod
+    def bye(cls) -> None:
+        """In a spawned rank that ends in order: say so before the connection closes."""
+        s, cls._reporting = cls._reporting, None
+        if s is not None:
+            try:
+                s.sendall(b"B")
+            except OSError:
+                pass
+
+
+def secrets_token() -> str:
+    import secrets
+    return secrets.token_hex(4)
+
+
+#: where this process's :class:`DeathWatch` reports the deaths it hears of
+#: (set by the launcher of the computation that spawned the ranks)
+_death_listeners: List[Callable[[int, Optional[int]], None]] = []
+
+
+def _report_death(pid: int, status: Optional[int]) -> None:
+    for listener in list(_death_listeners):
+        listener(pid, status)
+
+
+def _status_when_ended(pid: int, wait: float = 0.1) -> Optional[int]:
+    """The wait status of process ``pid``, which is ending: its connections
+    close before it is a zombie, which its parent soon reaps; so wait until
+    it is one (``wait`` seconds at most), and read it then. None if it was
+    reaped first, or cannot be watched."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return _exit_status(pid)
+    try:
+        import select
+        select.select([fd], [], [], wait)
+        return _exit_status(pid)
+    finally:
+        os.close(fd)
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] != b"Z" or len(fields) < 50:
+            return None
+        return int(fields[49])  # exit_code, field 52 of the line
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def mpich_shm_files() -> Set[str]:
+    """MPICH's shared-memory files in /dev/shm now.
+
+    Example:
+        >>> all(p.startswith("/dev/shm/mpich_shm_") for p in mpich_shm_files())
+        True
+    """
+    import glob
+    return set(glob.glob("/dev/shm/mpich_shm_*"))
+
+
+def in_use(path: str, besides: int = 0) -> bool:
+    """Whether any process here (but ``besides``) has ``path`` open or mapped.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     in_use(f.name), in_use(f.name, besides=os.getpid())
+        (True, False)
+    """
+    import glob
+    for d in glob.glob("/proc/[0-9]*"):
+        if d == f"/proc/{besides}":
+            continue
+        try:
+            for fd in os.listdir(d + "/fd"):
+                if os.readlink(f"{d}/fd/{fd}") == path:
+                    return True
+            with open(d + "/maps") as f:
+                if path in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+#: MPICH's shared-memory files that appeared while this process spawned ranks
+#: (MPICH removes them when the ranks end in order; not when one dies)
+_spawn_segments: Set[str] = set()
+#: why MPI in this process can start no computation any more (a spawned rank died)
+_broken: Optional[str] = None
+
+
+_exit_code: List[Any] = []  # what sys.exit was called with, once MPI here is broken
+
+
+def _end_without_finalize() -> None:
+    """Once a spawned rank has died, MPICH's process manager has ended (it
+    ends the spawned job), and MPI_Finalize at this process's exit would
+    crash (SIGSEGV, measured with MPICH 4): so :func:`_at_exit` ends the
+    process first, with the exit code Python would give it."""
+    previous = sys.exit
+
+    def exiting(code: Any = None) -> None:
+        _exit_code[:] = [code]
+        previous(code)
+
+    sys.exit = exiting  # (a bare `raise SystemExit(n)` exits with 0 or 1 here)
+
+
+def _at_exit() -> None:  # pragma: no cover - ends the process
+    """Python's last exit handler here (registered when this module is
+    imported: handlers run in reverse), before mpi4py finalizes MPI from C:
+    if a spawned rank died, remove the shared-memory files MPICH leaves and
+    end the process without MPI_Finalize (see _end_without_finalize)."""
+    if _broken is None:
+        return
+    try:
+        import logging
+        logging.shutdown()  # (registered before this module: it would not run)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    for path in _spawn_segments | {f"/dev/shm/mpich_shm_{os.getpid():x}_0"}:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    last = getattr(sys, "last_value", None)
+    if _exit_code:
+        code = _exit_code[0]
+        code = 0 if code is None else code if isinstance(code, int) else 1
+    elif isinstance(last, KeyboardInterrupt):
+        code = 128 + signal.SIGINT
+    else:
+        code = 1 if last is not None else 0
+    os._exit(code)
+
+
+def _register_at_exit() -> None:
+    import atexit
+    atexit.register(_at_exit)
+
+
 def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
     """End this rank's process: MPI ends in order first, or its process manager
     would take the exit for a crash and end every rank of the job."""
@@ -285,6 +568,7 @@ def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
         sys.stderr.flush()
     except Exception:
         pass
+    DeathWatch.bye()  # this end is in order: the parent is not to report it
     try:
         if _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized():
             from ..core.threads import quiesce
@@ -561,6 +845,10 @@ class MpiTransport(Transport):
         self.pokes: Set[int] = set()  # peers with frames queued in their ring: see flush
         self.mapped: List[_ring.Ring] = []  # the peers' rings we write to
         self.dead: List[_ring.Ring] = []  # rings of peers that left, unmapped at the next poll
+        # peers whose process died, and how (see DeathWatch): appended by
+        # another thread, reported lost at the next poll
+        self.died: List[Tuple[int, str]] = []
+        self.broken = False  # a peer died: MPI cannot disconnect from it any more
         self.lost_later: Dict[int, str] = {}  # peers that left, reported once their frames are in
         self.bulk_sent = self.bulk_got = 0  # frames with buffers in a bulk area
         self.ring_sent = 0  # frames written to rings
@@ -1192,6 +1480,9 @@ class MpiTransport(Transport):
     def poll(self, timeout: Optional[float]) -> bool:
         if self.dead:
             self._bury()
+        if self.died:
+            self._on_died()
+            return True
         if self.signalling and self.rins and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
             # a writer that woke us cleared NAP: flag it again before this
             # look, or its next frame would raise no signal
@@ -1236,6 +1527,9 @@ class MpiTransport(Transport):
         """Wait for a frame, after the spin (see poll): True if one came."""
         waker = self.waker
         while True:
+            if self.died:  # (its watcher woke us)
+                self._on_died()
+                return True
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -1490,6 +1784,30 @@ class MpiTransport(Transport):
                 self._credit(src)
         return got
 
+    def peer_died(self, peer: int, how: str) -> None:
+        """Context ``peer``'s process died (called from any thread): it is
+        reported lost at this rank's next poll, which this wakes."""
+        self.died.append((peer, how))
+        if self.waker is not None and self.wake_name is not None:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                    s.sendto(b"d", Waker.address(self.wake_name, self.ctx))
+            except OSError:
+                pass
+
+    def _on_died(self) -> None:
+        died, self.died = self.died, []
+        self.broken = True
+        for peer, how in died:
+            if peer in self.gone:
+                continue  # it said goodbye before it died
+            self.gone.add(peer)
+            self.wbuf.pop(peer, None)
+            self.inflight.pop(peer, None)
+            self._forget_rings(peer)
+            if not self.closing and self.lost is not None:
+                self.lost(peer, how)
+
     def _bye(self, src: int) -> None:
         """``src`` is leaving: everything it sent has come (order per pair)."""
         r = self.rin.get(src)
@@ -1616,7 +1934,12 @@ class MpiTransport(Transport):
             self._window.close()
         for c in self.release:
             try:
-                c.Disconnect()
+                if self.broken:
+                    # (a disconnection waits for every process of the
+                    # communicator: with one dead, forever)
+                    c.Free()
+                else:
+                    c.Disconnect()
             except Exception:
                 pass
 
@@ -1718,14 +2041,22 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         # (MPICH's process manager ends the spawning process when asked for none)
         raise ValueError(f"spawn: count must be a positive int; got {count!r}")
+    if _broken is not None:
+        raise RuntimeError(f"the mpi transport cannot start ranks in this process any more: "
+                           f"{_broken}. Run the next computation on mpi in a new process "
+                           f"(or on another transport)")
     MPI = mpi()
+    watch = DeathWatch.here()
     code = (f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}; "
-            f"from macroflow.transport.mpi import _spawned; _spawned({entry!r})")
+            f"from macroflow.transport.mpi import _spawned; _spawned({entry!r}, "
+            f"{watch.name if watch is not None else None!r})")
     sys.stdout.flush()
     sys.stderr.flush()
+    before = mpich_shm_files()
     with _own_process_group():
         inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
     comm = inter.Merge(high=False)
+    _spawn_segments.update(mpich_shm_files() - before)
     hellos = _poll_messages(comm, HELLO, count, f"starting {count} MPI ranks", timeout,
                             lambda have: "ranks " + ", ".join(
                                 str(r) for r in range(1, count + 1) if r not in have))
@@ -1744,25 +2075,42 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
 @contextlib.contextmanager
 def _own_process_group() -> Any:
     """While MPICH starts its process manager for this process (at its first
-    spawn), put this process in a process group of its own, so that the
-    manager is not in the caller's: a Ctrl-C at the terminal (SIGINT to the
-    foreground group) then reaches this process alone, which ends the ranks
-    in order, instead of the manager, which kills the job with SIGKILL; and
-    the manager, which ends a job by killing its process group, kills no
-    shell that started this program. Nothing is changed where this process
-    leads a session or a group already, or cannot move.
+    spawn), put this process in a process group other than its own, so that
+    the manager is not in the caller's group: a Ctrl-C at the terminal
+    (SIGINT to the foreground group) then reaches this process alone, which
+    ends the ranks in order, instead of the manager, which kills the job
+    with SIGKILL; and the manager, which ends a job (when a spawned rank
+    dies, say) by killing its process group, kills neither this process nor
+    a shell that started it. A process that leads its group (as a shell with
+    job control starts each command) joins the group of a short-lived
+    placeholder process for the while; one in a group of another joins a
+    new group of its own. A session leader cannot move (nor is anything
+    changed where moving fails): there, a rank that dies ends this process
+    too.
 
     Example:
+        >>> before = os.getpgrp()
         >>> with _own_process_group():
         ...     inside = os.getpgrp()
-        >>> os.getpgrp() == inside or inside == os.getpid()
+        >>> os.getpgrp() == before and (inside != before or os.getsid(0) == os.getpid())
         True
     """
     before = os.getpgrp()
+    me = os.getpid()
     moved = False
-    if before != os.getpid() and os.getsid(0) != os.getpid():
+    holder = None
+    if os.getsid(0) != me:
         try:
-            os.setpgid(0, 0)
+            if before != me:
+                os.setpgid(0, 0)
+            else:
+                import subprocess
+                # a group to join, with an id that is not this process's
+                group: Dict[str, Any] = ({"process_group": 0} if sys.version_info >= (3, 11)
+                                         else {"preexec_fn": os.setpgrp})
+                holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                          stdin=subprocess.PIPE, **group)
+                os.setpgid(0, holder.pid)
             moved = True
         except OSError:
             pass
@@ -1771,17 +2119,23 @@ def _own_process_group() -> Any:
     finally:
         if moved:
             try:
-                os.setpgid(0, before)
+                os.setpgid(0, before if before != me else 0)
             except OSError:
                 pass
+        if holder is not None:
+            holder.stdin.close()  # type: ignore[union-attr]
+            holder.wait()
 
 
 def _hello(comm: Any) -> None:
     comm.send(("ok", socket.gethostname(), os.getpid()), dest=0, tag=HELLO)
 
 
-def _spawned(entry: str) -> None:  # pragma: no cover - runs in a spawned rank
-    """What a spawned rank runs: merge with its parent, say hello, run ``entry``, leave."""
+def _spawned(entry: str, watch: Optional[str] = None) -> None:  # pragma: no cover - runs in a spawned rank
+    """What a spawned rank runs: merge with its parent, say hello, run ``entry``,
+    leave. ``watch`` is the name of the parent's :class:`DeathWatch`."""
+    if watch is not None:
+        DeathWatch.report_to(watch)
     MPI = mpi()
     parent = MPI.Comm.Get_parent()
     comm = parent.Merge(high=True)
@@ -2093,6 +2447,40 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         self._sigterm: Optional[Callable[[int, Any], None]] = None
         self._starting = False
         self._term_pending = 0
+        self.first_death: Optional[int] = None  # the spawned rank that died first
+        self.deaths: Dict[int, str] = {}  # spawned ranks that died: how
+
+    def _watch_deaths(self) -> None:
+        """Hear of spawned ranks that die (see :class:`DeathWatch`)."""
+        if self._on_death not in _death_listeners:
+            _death_listeners.append(self._on_death)
+
+    def _on_death(self, pid: int, status: Optional[int]) -> None:
+        # (the watcher's thread)
+        from ..launch import describe_status
+        eng = self.engine
+        ctx = next((c for c, (h, p) in self.hosts.items() if p == pid and _local(h)), None)
+        if eng is None or ctx is None:
+            return
+        global _broken
+        if self.first_death is None:
+            self.first_death = ctx
+            if status is None:
+                how = "ended while the computation ran (killed, or os._exit)"
+            elif os.WIFSIGNALED(status):
+                how = f"was {describe_status(status)}"
+            else:
+                how = describe_status(status)
+            how = f"its process (pid {pid}) {how}"
+            _broken = (f"context {ctx}, a rank this process spawned, died ({how}); MPI here "
+                       f"cannot spawn ranks again")
+            _end_without_finalize()
+        else:
+            how = (f"its process (pid {pid}) was ended by MPI after context "
+                   f"{self.first_death}'s died (MPI's process manager ends every spawned "
+                   f"rank when one dies)")
+        self.deaths[ctx] = how
+        eng.transport.peer_died(ctx, how)
 
     def start(self, placement, spin_us: float):
         global _world_done
@@ -2131,6 +2519,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 # when asked to spawn no rank); add_contexts spawns later
                 comm, hosts, release = MPI.COMM_SELF.Dup(), {}, []
             else:
+                self._watch_deaths()
                 inter, comm, hosts = spawn(s.size - 1, "macroflow.transport.mpi:_serve_spawned")
                 release = [comm, inter]
         try:
@@ -2172,6 +2561,8 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         return eng
 
     def describe_lost(self, peer: int) -> str:
+        if peer in self.deaths:
+            return self.deaths[peer]
         host, pid = self.hosts.get(peer, ("?", 0))
         return f"its rank left the computation (pid {pid} on {host})"
 
@@ -2199,6 +2590,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         blob, bufs = marshal.dumps(init)
         if bufs:
             raise ValueError("init must be a function (it pickled with out-of-band buffers)")
+        self._watch_deaths()
         try:
             inter, parent, hellos = spawn(len(ids), "macroflow.transport.mpi:_serve_added")
         except MPI.Exception as e:
@@ -2290,6 +2682,15 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 if signal.getsignal(signal.SIGTERM) is self._sigterm:
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 self._sigterm = None
+            if self.deaths:
+                # MPICH's segments, which its ranks remove only when they end in order
+                for path in sorted(_spawn_segments):
+                    if not in_use(path, besides=os.getpid()):
+                        _spawn_segments.discard(path)
+                        try:
+                            os.unlink(path)
+                        except OSError:
+                            pass
             # the shared pages of ranks that did not close their transport
             # (killed, or ended by MPI_Abort): nobody else would remove them
             import glob
@@ -2307,8 +2708,10 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         t = eng.transport
 
         def left(p):
-            # a rank has left when it said goodbye; a spawned one when its process ended too
-            return p in t.gone and not (self._spawned_here(p) and _alive(*self.hosts.get(p, ("", 0))))
+            # a rank has left when it said goodbye (or died); a spawned one
+            # when its process ended too
+            return (p in t.gone or p in self.deaths) and not (
+                self._spawned_here(p) and _alive(*self.hosts.get(p, ("", 0))))
 
         stuck = [p for p in range(1, t.size) if p not in self.terminated and not left(p)]
         if not stuck:
@@ -2583,3 +2986,6 @@ class NativeCollective:
             from ..core.errors import CollectiveError
             raise CollectiveError(self.error, missing=[])
         return self.out
+
+
+_register_at_exit()  # (at import: see _at_exit)
