@@ -119,6 +119,59 @@ def test_a_worker_that_dies_fails_exactly_what_depended_on_it():
     assert code == 1 and "context 2 killed by signal SIGKILL" in err_text
 
 
+@mf.persistent
+class Busy:
+    def pid(self):
+        return os.getpid()
+
+    def compute(self, seconds):
+        import time
+        end = time.monotonic() + seconds  # no call into macroflow: it cannot leave when told
+        while time.monotonic() < end:
+            pass
+        return "done"
+
+
+@pytest.mark.parametrize("ending", ["main returns", "Ctrl-C"])
+def test_a_workers_context_that_computes_when_the_computation_ends_ends_with_it(ending, capsys):
+    import time
+    pids = []
+
+    def main():
+        from macroflow.launch import _main_session
+        w = start_worker(_main_session("test").launcher.address, n=2)
+        pids.append(w)
+        mf.wait_contexts(4, timeout=60)
+        busy = Busy.create(on=3)
+        pids.extend([busy.pid().result(30), Busy.create(on=2).pid().result(30)])
+        busy.compute(60)  # still computing when main ends
+        if ending == "Ctrl-C":
+            raise KeyboardInterrupt
+        return "main ended"
+
+    t = time.monotonic()
+    try:
+        result = mf.run(main, contexts=2, listen="127.0.0.1:0", secret=SECRET)
+    except KeyboardInterrupt:
+        result = "interrupted"
+    worker, busy_pid, idle_pid = pids
+    code, err = finish(worker)
+    took = time.monotonic() - t
+    # as context 0 ends the contexts it forked (after a grace of 2 s), it ends
+    # the workers' (which leave by themselves when told, unless they compute)
+    assert code == 0, err
+    assert "was lost" not in err
+    assert took < 30  # not the 60 s the method would compute
+    for pid in (busy_pid, idle_pid):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    if ending == "Ctrl-C":
+        assert result == "interrupted"
+        assert "interrupted (Ctrl-C); all 4 contexts were stopped" in capsys.readouterr().err
+    else:
+        assert result == "main ended"
+
+
 def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharmed(caplog):
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         w = start_worker(s.launcher.address, secret="another secret of sixteen bytes")

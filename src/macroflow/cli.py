@@ -19,7 +19,7 @@ import platform
 import signal
 import sys
 import types
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 def script_problem(path: str) -> Optional[str]:
@@ -138,14 +138,18 @@ def mpiexec_command(args: argparse.Namespace, mpiexec: str) -> List[str]:
 
 
 class FirstToEnd:
-    """Watches the processes of an mpiexec job's ranks on this host and notes
-    which ended first, and how (a thread of ``macroflow run``).
+    """Notes which rank of an mpiexec job on this host died first, and how
+    (for ``macroflow run``).
 
     MPI's process manager ends every rank as soon as one dies, and the
-    process it names is not always the one that died; a watcher outside the
-    job sees the order. ``table`` is the file where context 0 writes "rank
-    host pid" lines; it waits for "<table>.watched" before the computation
-    starts.
+    process it names is not always the one that died. Every rank of this
+    host reports to a :class:`~macroflow.transport.mpi.DeathWatch` of this
+    process (named in the ranks' environment, ``env``), and says goodbye
+    there when it ends in order: the first connection that closes without
+    one is the rank that died (its files close before the manager, which
+    sees the same closing, can end the others). ``table`` is the file where
+    context 0 writes "rank host pid" lines, to name the rank; it waits for
+    "<table>.watched" before the computation starts.
 
     Example:
         >>> w = FirstToEnd("/nonexistent/table")
@@ -154,19 +158,31 @@ class FirstToEnd:
     """
 
     def __init__(self, table: str):
+        import secrets
         import threading
+        from macroflow.transport.mpi import WATCH_ENV, DeathWatch
         self.table = table
-        self.first: List[tuple] = []  # (context, pid, host, status or None)
+        self.rows: Dict[int, tuple] = {}  # pid -> (context, host)
+        self.deaths: List[tuple] = []  # (pid, wait status or None), in the order they died
+        self.env: Dict[str, str] = {}
+        self.watch = None
+        try:
+            self.watch = DeathWatch(f"run-{os.getpid()}-{secrets.token_hex(4)}",
+                                    lambda pid, status: self.deaths.append((pid, status)))
+            self.env = {WATCH_ENV: self.watch.name}
+        except OSError:
+            pass
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread = threading.Thread(target=self._read_table, daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         self.done.set()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
-    def _watch(self) -> None:
-        import select
-        import socket
+    def _read_table(self) -> None:
         rows = None
         while rows is None and not self.done.is_set():
             try:
@@ -174,61 +190,50 @@ class FirstToEnd:
                     rows = [r.split() for r in f if r.strip()]
             except OSError:
                 self.done.wait(0.001)
-        if rows is None or not hasattr(os, "pidfd_open"):
+        if rows is None:
             return
-        me = socket.gethostname()
-        fds = {}
-        for rank, host, pid in rows:
-            if host == me:
-                try:
-                    fds[os.pidfd_open(int(pid))] = (int(rank), int(pid), host)
-                except OSError:
-                    pass
+        self.rows = {int(pid): (int(rank), host) for rank, host, pid in rows}
         try:
             open(self.table + ".watched", "w").close()  # context 0 waits for this
         except OSError:
             pass
-        try:
-            while fds and not self.first and not self.done.is_set():
-                ready = select.select(list(fds), [], [], 0.05)[0]
-                # read how and when they ended at once: their parent reaps them soon
-                ended = sorted((_last_ran(fds[fd][1]), fds[fd][0], fds[fd][1], fds[fd][2],
-                                _exit_status(fds[fd][1])) for fd in ready)
-                if len(ended) > 1 and ended[0][0] < ended[1][0]:
-                    ended = ended[:1]  # seen late, but this one ended first
-                self.first = [e[1:] for e in ended]
-        finally:
-            for fd in fds:
-                os.close(fd)
 
-    def describe(self, output: str = "") -> Optional[str]:
-        """Words for what ended the job, if a context died of a signal.
+    @property
+    def first(self) -> List[tuple]:
+        """[(context, pid, host, wait status or None)] of the rank that died first."""
+        for pid, status in self.deaths:
+            if pid in self.rows:
+                rank, host = self.rows[pid]
+                return [(rank, pid, host, status)]
+        return []
+
+    def describe(self, output: str = "", code: Optional[int] = None) -> Optional[str]:
+        """Words for what ended the job, if a context died (a signal, or an
+        exit of its own, before the computation ended).
 
         ``output`` is mpiexec's: how a process ended is read there when this
-        watcher could not see it itself (its parent reaped it first).
+        watcher could not see it itself (its parent reaped it first); ``code``
+        is mpiexec's exit code.
         """
         from macroflow.launch import describe_status
-        if not self.first or os.path.exists(self.table + ".error"):
+        first = self.first
+        if not first or os.path.exists(self.table + ".error"):
             return None  # (a rank's uncaught error ended the job: it was printed)
+        rank, pid, host, status = first[0]
         reported = mpiexec_report(output)
-        first = list(self.first)
-        if len(first) > 1 and reported is not None:
-            # ended too close together to order: the one mpiexec names first
-            first.sort(key=lambda e: e[1] != reported[0])
-        parts = []
-        for rank, pid, host, status in first:
-            if status is not None and not os.WIFSIGNALED(status):
-                return None  # it exited (its error was printed): nothing to add
-            if status is not None:
-                how = describe_status(status)
-            elif reported is not None and reported[0] == pid:
-                how = reported[1]
-            elif reported is not None:
-                how = f"ended first (mpiexec reports pid {reported[0]}: {reported[1]})"
-            else:
-                how = "ended first"
-            parts.append(f"context {rank} (pid {pid} on {host}) {how}")
-        return "; ".join(parts) + "; MPI ended the job (every rank)"
+        if status is not None and os.WIFSIGNALED(status):
+            how = describe_status(status)
+        elif status is not None:
+            how = f"{describe_status(status)} before the computation ended"
+        elif reported is not None and reported[0] == pid:
+            how = reported[1]
+        elif reported is None and code:
+            # (MPI exits with the code of a rank that exited; it reports one
+            # killed by a signal)
+            how = f"exited before the computation ended (mpiexec's exit code: {code})"
+        else:
+            how = "died first (how is not known: it was reaped before it could be read)"
+        return f"context {rank} (pid {pid} on {host}) {how}; MPI ended the job (every rank)"
 
 
 def mpiexec_report(output: str) -> Optional[tuple]:
@@ -253,33 +258,6 @@ def mpiexec_report(output: str) -> Optional[tuple]:
     return int(m.group(1)), how
 
 
-def _last_ran(pid: int) -> float:
-    """When (scheduler clock, ms) process ``pid`` last ran: for one that has
-    just ended, when it ended. Minus infinity if that cannot be read: its
-    parent has reaped it already, which it does in the order they end, so it
-    ended before any that is still there to read."""
-    try:
-        with open(f"/proc/{pid}/sched") as f:
-            for line in f:
-                if line.startswith("se.exec_start"):
-                    return float(line.split(":")[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return float("-inf")
-
-
-def _exit_status(pid: int) -> Optional[int]:
-    """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        if fields[0] != b"Z" or len(fields) < 50:
-            return None
-        return int(fields[49])  # exit_code, field 52 of the line
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _run_under_mpiexec(args: argparse.Namespace) -> int:
     """Run the script once per rank of ``mpiexec -n N``; rank 0 runs its main.
 
@@ -297,9 +275,9 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
     shm_before = mpich_shm_files()
     with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
         table = os.path.join(tmp, "contexts")
-        env = dict(os.environ, **{CONTEXTS_FILE: table})
-        p = subprocess.Popen(mpiexec_command(args, mpiexec), env=env, stdout=subprocess.PIPE)
         watcher = FirstToEnd(table)
+        env = dict(os.environ, **{CONTEXTS_FILE: table}, **watcher.env)
+        p = subprocess.Popen(mpiexec_command(args, mpiexec), env=env, stdout=subprocess.PIPE)
         report: List[bytes] = []  # mpiexec's report of a failed job, passed on too
         try:
             for line in p.stdout:  # type: ignore[union-attr]
@@ -316,7 +294,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
             watcher.thread.join(5)
         if code != 0:
             text = None if interrupted else \
-                watcher.describe(b"".join(report[:4]).decode(errors="replace"))
+                watcher.describe(b"".join(report[:4]).decode(errors="replace"), code)
             if text is not None:
                 print(f"macroflow: {text}", file=sys.stderr)
             # an aborted job leaves MPICH's shared-memory files behind

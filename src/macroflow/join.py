@@ -239,6 +239,42 @@ class TcpLauncher(ForkLauncher):
         self.next_id = max(self.next_id, ids[-1] + 1)
         super().add(ids, init)
 
+    # -- ending the computation ------------------------------------------------
+    def _joined_open(self) -> List[int]:
+        """The contexts of joined workers still connected: no process of ours."""
+        eng = self.engine
+        if eng is None or eng.transport is None:
+            return []
+        connected = set(eng.transport.peers() or ())
+        return [c for w in self.workers.values() for c in w["ids"] if c in connected]
+
+    def wait(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        super().wait(grace)
+        # the workers' contexts leave as ours do (told to stop), unless they compute
+        t = self.engine.transport if self.engine is not None else None
+        while t is not None and self._joined_open():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            t.poll(min(left, 0.01))
+
+    def stop(self) -> None:
+        # what we would kill if they were ours: they end themselves when told
+        # (a control frame, read even while a method computes there)
+        eng = self.engine
+        for c in self._joined_open():
+            try:
+                eng.transport.send_control(c, "end", None)  # type: ignore[union-attr]
+            except Exception:
+                pass
+        if eng is not None and eng.transport is not None:
+            try:
+                eng.transport.flush()
+            except Exception:
+                pass
+        super().stop()
+
     # -- workers joining -------------------------------------------------------
     def _on_join(self, guest: int, request: Any) -> None:
         eng = self.engine
@@ -374,6 +410,16 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
 _LOST_MAIN = 3  # a worker's context left because context 0 was lost
 
 
+def _ended_while_computing(src: int, payload: Any) -> None:  # pragma: no cover - ends the process
+    """Context 0 ended the computation while this context computed (it did not
+    leave when told to): end now, as context 0 ends the contexts it forked."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
+
+
 def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[str, Any],
                  secret: str, tls: Tuple[Any, Any], out: Any) -> int:
     from .transport.tcp import TcpTransport
@@ -400,6 +446,7 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                                    spin_us=welcome["spin_us"], server_ssl=tls[0],
                                    client_ssl=tls[1])
                 multi = MultiTransport(ctx, [local, tcp], spin_us=welcome["spin_us"])
+                multi.control["end"] = _ended_while_computing
                 for c, protocols in welcome["directory"].items():
                     multi.learn(c, protocols)
                 for c in ids:  # the others of this worker: by the local path

@@ -1181,7 +1181,9 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
                 result = result.result()
             return result
     except KeyboardInterrupt:
-        print(f"macroflow: interrupted (Ctrl-C); all {session.size} contexts were stopped",
+        eng = session.engine
+        n = max(session.size, eng.size if eng is not None else 0)  # with those added or joined
+        print(f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped",
               file=sys.stderr)
         raise
 

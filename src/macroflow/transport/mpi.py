@@ -2381,6 +2381,10 @@ _world_done = False  # under mpiexec: the other ranks left with the first comput
 #: "rank host pid" per context before the computation starts (and waits for
 #: the file "<it>.watched"), so that a rank that dies can be named.
 CONTEXTS_FILE = "MACROFLOW_MPI_CONTEXTS"
+#: Set by ``macroflow run --transport mpi``: the name of its
+#: :class:`DeathWatch`, which every rank of this host reports to, so that the
+#: rank that died first is known (MPI's process manager ends the others then).
+WATCH_ENV = "MACROFLOW_MPI_WATCH"
 
 
 def check_room(contexts: int) -> None:
@@ -2502,6 +2506,8 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                     "with --spmd, its SPMD function) as that one computation, so its top "
                     "level must start none: put a top-level mf.run or mf.spmd under "
                     "`if __name__ == \"__main__\":`")
+            if os.environ.get(WATCH_ENV):
+                DeathWatch.report_to(os.environ[WATCH_ENV])
             comm = MPI.COMM_WORLD.Dup()
             if comm.Get_rank() != 0:
                 _serve_world(comm)  # never returns
@@ -2678,6 +2684,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         try:
             self._stop()
         finally:
+            DeathWatch.bye()  # (under macroflow run: context 0's computation ended in order)
             if self._sigterm is not None:
                 if signal.getsignal(signal.SIGTERM) is self._sigterm:
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
