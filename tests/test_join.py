@@ -183,6 +183,28 @@ def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharm
         assert Where.create(on=1).here().result()[0] == 1
 
 
+def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
+    # classes of __main__ travel by value (pickled code): another Python or
+    # cloudpickle may not read them, and would fail calls one by one
+    code = ("import sys, macroflow.join as j; "
+            "j.runtime_versions = lambda: {'python': '3.10', 'cloudpickle': '2.1'}; "
+            "sys.exit(j.worker_main(sys.argv[1], 1))")
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
+               "MACROFLOW_SECRET": SECRET}
+        w = subprocess.Popen([sys.executable, "-c", code, s.launcher.address], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rc, err = serve_until_done(w)
+        assert mf.num_contexts() == 2
+    from macroflow.join import runtime_versions
+    ours = runtime_versions()
+    assert rc == 1
+    assert (f"refused to let us join: the worker runs Python 3.10 with cloudpickle 2.1, and "
+            f"this computation Python {ours['python']} with cloudpickle {ours['cloudpickle']}"
+            in err), err
+    assert "run the worker with the same versions" in err
+
+
 def test_garbage_at_the_door_is_closed_and_the_computation_is_unharmed():
     import socket
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:

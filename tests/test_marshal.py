@@ -228,6 +228,50 @@ def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
     assert out["after"] == 5
 
 
+@pytest.mark.timeout(60)
+def test_a_class_the_receiver_cannot_rebuild_fails_the_call_not_the_context(run, transport):
+    # a class made here travels by value; one whose rebuilding fails there (a
+    # class attribute that cannot be rebuilt; another cloudpickle does the
+    # same) fails the calls that need it, and the context goes on serving
+    if transport == "inproc":
+        pytest.skip("one process: nothing is unpickled")
+
+    def main():
+        @mf.persistent
+        class Local:
+            trap = Unrebuildable()
+
+            def take(self, x):
+                return x
+
+        @mf.regular
+        class LocalRegular:
+            trap = Unrebuildable()
+
+            def take(self, x):
+                return x
+
+        out = {}
+        for name, call in (("persistent", lambda: Local.create(on=1).take(1)),
+                           ("regular", lambda: LocalRegular().take(1))):
+            try:
+                out[name] = call().result(timeout=30)
+            except (mf.CallError, mf.ObjectDestroyed) as e:
+                out[name] = f"{type(e).__name__}: {e}"
+        out["after"] = Keeper.create(on=1).take(5).result(timeout=30)
+        return out
+
+    out = run(main, contexts=2)
+    assert out["persistent"] == (
+        "ObjectDestroyed: NotDecoded could not be created, so take() cannot run: CallError: "
+        "context 1 could not unpickle the class or the constructor's arguments, sent by "
+        "context 0: ValueError: cannot be rebuilt here")
+    assert out["regular"] == ("CallError: context 1 could not unpickle the class or the "
+                              "arguments of take(), sent by context 0: ValueError: cannot be "
+                              "rebuilt here")
+    assert out["after"] == 5
+
+
 def test_plain_arrays_travel_as_bytes_dtype_and_shape():
     # a plain dtype is named, not pickled as an object: the message is smaller
     # than numpy's own pickle; every array comes back equal, writable as sent

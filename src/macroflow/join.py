@@ -288,6 +288,15 @@ class TcpLauncher(ForkLauncher):
         except (KeyError, TypeError, ValueError) as e:
             multi.send_control(guest, "refused", f"a request to join that makes no sense: {e}")
             return
+        theirs, ours = request.get("runtime"), runtime_versions()
+        if theirs != ours:
+            multi.send_control(guest, "refused", (
+                f"the worker runs {_describe_runtime(theirs)}, and this computation "
+                f"{_describe_runtime(ours)}: the classes and functions of the program's "
+                f"__main__ travel by value, as Python code pickled by cloudpickle, which "
+                f"another version of either may not read; run the worker with the same "
+                f"versions"))
+            return
         first = max(self.next_id, eng.size)
         ids = list(range(first, first + n))
         self.next_id = first + n
@@ -325,6 +334,26 @@ class TcpLauncher(ForkLauncher):
             eng.send(ctx, (MEMBERS, eng.size))
         except ConnectionError:
             pass
+
+
+def runtime_versions() -> Dict[str, str]:
+    """What a worker's code must share with the computation it joins: Python's
+    major.minor (pickled code objects are Python's own) and cloudpickle's.
+
+    Example:
+        >>> sorted(runtime_versions())
+        ['cloudpickle', 'python']
+    """
+    import cloudpickle
+    return {"python": "%d.%d" % sys.version_info[:2],
+            "cloudpickle": ".".join(cloudpickle.__version__.split(".")[:2])}
+
+
+def _describe_runtime(versions: Any) -> str:
+    if not isinstance(versions, dict):
+        return "versions it did not say (an older macroflow)"
+    return (f"Python {versions.get('python', '?')} with cloudpickle "
+            f"{versions.get('cloudpickle', '?')}")
 
 
 def _launch_version() -> str:
@@ -382,7 +411,8 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
     tcp_log.setLevel(logging.ERROR)
     try:
         multi.learn(0, (("tcp", connect),))
-        multi.send_control(0, "join", {"n": n, "tcp": addresses, "node": node_name()})
+        multi.send_control(0, "join", {"n": n, "tcp": addresses, "node": node_name(),
+                                       "runtime": runtime_versions()})
         deadline = time.monotonic() + JOIN_WAIT
         while not answer and not lost and time.monotonic() < deadline:
             multi.poll(0.1)

@@ -345,7 +345,8 @@ class ObjectHost(Model):
             except INTERRUPTS:
                 raise
             except BaseException as e:
-                e = errors.exited(f"{cls.__qualname__}() on context {eng.id}", e)
+                name = getattr(cls, "__qualname__", None) or type(cls).__name__
+                e = errors.exited(f"{name}() on context {eng.id}", e)
                 obj.state, obj.error = "broken", e
                 eng._finish(call, False, e)
                 self._release(obj)
