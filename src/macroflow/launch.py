@@ -774,7 +774,8 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
             or the transport cannot remove contexts.
         RuntimeError: called inside a method, or not on context 0.
         TimeoutError: ``cid`` did not finish its calls within ``timeout``
-            seconds (it goes on retiring).
+            seconds (it goes on retiring). On ``inproc``, where every context
+            shares this thread, only once the method computing there returns.
         ContextLost: ``cid`` died while it retired.
 
     Example:
