@@ -441,7 +441,7 @@ def test_a_rank_killed_by_a_signal_ends_the_job(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("death, how", [
-    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal SIGKILL"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "was killed by signal SIGKILL"),
     ("os._exit(3)", r"exited with code 3 before the computation ended|exited before the "
                     r"computation ended \(mpiexec's exit code: 3\)"),
 ])

@@ -222,7 +222,7 @@ class FirstToEnd:
         rank, pid, host, status = first[0]
         reported = mpiexec_report(output)
         if status is not None and os.WIFSIGNALED(status):
-            how = describe_status(status)
+            how = f"was {describe_status(status)}"  # as mpiexec_report says it
         elif status is not None:
             how = f"{describe_status(status)} before the computation ended"
         elif reported is not None and reported[0] == pid:
