@@ -368,19 +368,20 @@ class DeathWatch:
                     pid, _, bye = conns.pop(c)
                     c.close()
                     if pid is not None and not bye:
-                        with self._cond:
-                            self.deaths.append(pid)
-                            self._cond.notify_all()
                         try:
                             self.on_death(pid, _status_when_ended(pid))
                         except Exception:
                             traceback.print_exc()
+                        with self._cond:  # (once told: see wait_for)
+                            self.deaths.append(pid)
+                            self._cond.notify_all()
         finally:
             for c in conns:
                 c.close()
 
     def wait_for(self, n: int, timeout: float) -> bool:
-        """Wait until ``n`` deaths have been heard of; True if they were."""
+        """Wait until ``n`` deaths have been heard of and told to ``on_death``;
+        True if they were."""
         with self._cond:
             return self._cond.wait_for(lambda: len(self.deaths) >= n, timeout)
 
