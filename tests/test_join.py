@@ -67,6 +67,8 @@ def test_a_worker_joins_and_its_contexts_are_full_contexts():
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         w = start_worker(s.launcher.address, n=2)
         assert mf.wait_contexts(4, timeout=60) == 4
+        # both have reported in (they do in any order): each is described whole
+        first = [(c.pid is not None, {p for p, _ in c.protocols}) for c in mf.contexts()[2:]]
         here = {c: Where.create(on=c).here().result() for c in (1, 2, 3)}
         before = mf.stats()  # context 1 has talked to context 0 only
         new2, new3, old1 = Where.create(on=2), Where.create(on=3), Where.create(on=1)
@@ -80,6 +82,7 @@ def test_a_worker_joins_and_its_contexts_are_full_contexts():
     assert asked == (1, 3, 3)
     assert [(c.id, c.state) for c in infos] == [(c, "running") for c in range(4)]
     assert [c.pid for c in infos[2:]] == [here[2][1], here[3][1]]
+    assert first == [(True, {"local", "tcp"})] * 2
     assert all({p for p, _ in c.protocols} == {"local", "tcp"} for c in infos)
     # contexts started together never used TCP; the worker's contexts reach the
     # others over TCP, and each other by their own local path

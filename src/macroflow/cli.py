@@ -207,6 +207,30 @@ class FirstToEnd:
                 return [(rank, pid, host, status)]
         return []
 
+    def exit_code(self, output: str = "") -> Optional[int]:
+        """How the rank that died first ended, as a shell's exit status (its
+        code, or 128 + a signal's number); None if not known. ``output`` is
+        mpiexec's, read when this watcher could not see it (see describe).
+
+        Example:
+            >>> w = FirstToEnd("/nonexistent/table")
+            >>> w.stop(); w.exit_code() is None
+            True
+        """
+        import signal
+        first = self.first
+        if not first:
+            return None
+        _rank, pid, _host, status = first[0]
+        if status is None:
+            reported = mpiexec_report(output)
+            if reported is not None and reported[0] == pid and "signal" in reported[1]:
+                return 128 + signal.Signals[reported[1].split()[-1]].value
+            return None
+        if os.WIFSIGNALED(status):
+            return 128 + os.WTERMSIG(status)
+        return os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+
     def describe(self, output: str = "", code: Optional[int] = None) -> Optional[str]:
         """Words for what ended the job, if a context died (a signal, or an
         exit of its own, before the computation ended).
@@ -271,7 +295,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
     if mpiexec is None:
         args.parser.error("--transport mpi needs mpiexec, found neither beside this Python nor "
                           "on PATH (pip install \"macroflow[mpi]\" brings one)")
-    from macroflow.transport.mpi import in_use, mpich_shm_files
+    from macroflow.transport.mpi import _sweep_pages, in_use, mpich_shm_files
     shm_before = mpich_shm_files()
     with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
         table = os.path.join(tmp, "contexts")
@@ -293,17 +317,23 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
             watcher.stop()
             watcher.thread.join(5)
         if code != 0:
-            text = None if interrupted else \
-                watcher.describe(b"".join(report[:4]).decode(errors="replace"), code)
+            output = b"".join(report[:4]).decode(errors="replace")
+            text = None if interrupted else watcher.describe(output, code)
             if text is not None:
                 print(f"macroflow: {text}", file=sys.stderr)
-            # an aborted job leaves MPICH's shared-memory files behind
+                # the status of the context that died, as a shell gives it (mpiexec's
+                # is that of whichever rank it saw end badly first: 3 or 9, say, for
+                # the same os._exit(3))
+                code = watcher.exit_code(output) or code
+            # an aborted job leaves MPICH's shared-memory files behind, and the
+            # ranks' shared pages
             for path in mpich_shm_files() - shm_before:
                 if not in_use(path):
                     try:
                         os.unlink(path)
                     except OSError:
                         pass
+            _sweep_pages()
         return code
 
 

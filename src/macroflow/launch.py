@@ -624,6 +624,7 @@ def contexts() -> List[ContextInfo]:
     s = _main_session("mf.contexts()")
     eng = s.engine
     assert eng is not None
+    eng.poll()  # what the transport knows (a context lost since it last looked, say)
     out = []
     for c in range(eng.size):
         got = eng.joined.get(c)
@@ -675,10 +676,16 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
     eng = s.engine
     assert eng is not None
     deadline = None if timeout is None else time.monotonic() + timeout
-    if not eng.driver.run_until(lambda: len(eng.context_ids()) >= n, deadline):
-        raise errors.TimeoutError(f"wait_contexts: {len(eng.context_ids())} contexts after "
+
+    def ready() -> int:
+        # a joining context counts once it has reported in (a worker's contexts
+        # report one by one, in any order: one with a higher id may be first)
+        return sum(1 for c in eng.context_ids() if c < s.size or c in eng.joined)
+
+    if not eng.driver.run_until(lambda: ready() >= n, deadline):
+        raise errors.TimeoutError(f"wait_contexts: {ready()} contexts after "
                                   f"{timeout} s, not {n}")
-    return len(eng.context_ids())
+    return ready()
 
 
 def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,

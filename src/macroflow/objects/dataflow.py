@@ -166,7 +166,8 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
     ``values_sent``, ``instances_created``; docs/guide.md (Statistics)
     describes every key. Asking costs one message each way per context.
 
-    A context answers between two method runs: one running a long method
+    A context lost before or while stats asks is left out. A context
+    answers between two method runs: one running a long method
     answers when it ends. With ``timeout`` (seconds), stats waits that long
     at most.
 
@@ -180,6 +181,7 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
         [0, 1]
     """
     eng = current_engine()
+    eng.poll()  # a context lost since the transport last looked is not asked
     live = [c for c in range(eng.size) if c not in eng.lost]
     futs = {c: eng.issue(SYSTEM, "stats", "stats", (), {}, c, site=_STATS_SITE, pinned=True)
             for c in live}
@@ -194,4 +196,6 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
                     f"mf.stats(): context{'s' if len(silent) > 1 else ''} "
                     f"{', '.join(map(str, silent))} did not answer within {timeout} s "
                     f"(a context answers between two method runs)")
-    return {c: f.result() for c, f in futs.items()}
+    # a context lost meanwhile is left out, as one lost before
+    return {c: f.result() for c, f in futs.items()
+            if not isinstance(f.exception(), errors.ContextLost)}

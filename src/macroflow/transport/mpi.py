@@ -304,6 +304,7 @@ class DeathWatch:
         >>> w.close()
     """
 
+    WINDOW = 0.05  # seconds of deaths ordered together (see _tell)
     _mine: Optional["DeathWatch"] = None  # this process's, for the ranks it spawns
     _reporting: Optional[socket.socket] = None  # in a spawned rank: its connection
     PID = struct.Struct("<Q")
@@ -336,12 +337,16 @@ class DeathWatch:
     def _serve(self) -> None:
         import select
         conns: Dict[socket.socket, list] = {}  # -> [pid or None, bytes so far, bye said]
+        pending: List[Tuple[int, Optional[int]]] = []  # deaths heard, not yet told
+        until = 0.0  # when those are told
         try:
             while True:
-                ready = select.select([self.listener, self._stop_r, *conns], [], [])[0]
+                wait = None if not pending else max(0.0, until - time.monotonic())
+                ready = select.select([self.listener, self._stop_r, *conns], [], [], wait)[0]
                 if self._stop_r in ready:
+                    if pending:
+                        self._tell(pending)  # (what was heard is told)
                     return
-                gone = []
                 for c in ready:
                     if c is self.listener:
                         try:
@@ -363,21 +368,40 @@ class DeathWatch:
                         if st[1]:
                             st[2] = True
                         continue
-                    gone.append(c)
-                for c in gone:  # ended together: in one go
                     pid, _, bye = conns.pop(c)
                     c.close()
                     if pid is not None and not bye:
-                        try:
-                            self.on_death(pid, _status_when_ended(pid))
-                        except Exception:
-                            traceback.print_exc()
-                        with self._cond:  # (once told: see wait_for)
-                            self.deaths.append(pid)
-                            self._cond.notify_all()
+                        if not pending:
+                            until = time.monotonic() + self.WINDOW
+                        pending.append((pid, _status_when_ended(pid)))
+                if pending and time.monotonic() >= until:
+                    self._tell(pending)
+                    pending = []
         finally:
             for c in conns:
                 c.close()
+
+    def _tell(self, deaths: List[Tuple[int, Optional[int]]]) -> None:
+        # A process closes its files in the order of their numbers as it
+        # ends: MPI's process manager, which sees its connection close, may
+        # have killed another rank (SIGKILL) before the watch's connection of
+        # the first closed, now and then. So of the deaths heard within
+        # WINDOW, one known to have ended of its own accord (an exit, a signal
+        # other than SIGKILL) goes first; the others in the order heard (how
+        # one ended is not always known: a SIGKILL first heard may be yours).
+        def order(death: Tuple[int, Optional[int]]) -> int:
+            status = death[1]
+            if status is None:
+                return 1
+            return 1 if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL else 0
+        for pid, status in sorted(deaths, key=order):
+            try:
+                self.on_death(pid, status)
+            except Exception:
+                traceback.print_exc()
+            with self._cond:  # (once told: see wait_for)
+                self.deaths.append(pid)
+                self._cond.notify_all()
 
     def wait_for(self, n: int, timeout: float) -> bool:
         """Wait until ``n`` deaths have been heard of and told to ``on_death``;
@@ -1797,9 +1821,9 @@ class MpiTransport(Transport):
                 pass
 
     def _on_died(self) -> None:
-        died, self.died = self.died, []
         self.broken = True
-        for peer, how in died:
+        while self.died:  # (pop: the watcher's thread may append meanwhile)
+            peer, how = self.died.pop(0)
             if peer in self.gone:
                 continue  # it said goodbye before it died
             self.gone.add(peer)
@@ -1893,6 +1917,8 @@ class MpiTransport(Transport):
         """The first half of :meth:`close`: flush, and tell every peer we leave."""
         if self.closing:
             return
+        if self.died:
+            self._on_died()  # (no goodbye to those, nor an answer to wait for)
         try:
             self.flush()
         except Exception:
@@ -1916,6 +1942,9 @@ class MpiTransport(Transport):
         try:
             while time.monotonic() < deadline:
                 self._reap()
+                while self.died:  # (MPI ended it: it will not answer)
+                    self.broken = True
+                    self.acked.add(self.died.pop(0)[0])
                 if not (any(p not in self.acked for p in self.leaving) or self.inflight
                         or self.unfinished):
                     self.lingered_out = False
@@ -2637,6 +2666,8 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         t = eng.transport
         deadline = time.monotonic() + grace
         while any(p not in t.gone for p in range(1, t.size)) and time.monotonic() < deadline:
+            if t.died:
+                t._on_died()  # (ranks MPI ended say no goodbye)
             if not t._progress():
                 t._nap(NAP_MIN)
         # then the processes of spawned ranks end (those of mpiexec's ranks
