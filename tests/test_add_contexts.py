@@ -2,6 +2,7 @@
 contexts (mf.contexts), on every transport."""
 
 import os
+import re
 import signal
 import threading
 
@@ -114,10 +115,12 @@ def test_more_contexts_than_the_host_holds_are_refused_before_any_starts(run):
         with pytest.raises(mf.LimitError, match=r"mf.add_contexts\(1000000\): this host "
                                                  r"cannot hold 1000000 more") as info:
             mf.add_contexts(1000000)
-        return info.value.limit, mf.num_contexts(), [c.state for c in mf.contexts()]
+        return (info.value.limit, mf.num_contexts(), [c.state for c in mf.contexts()],
+                str(info.value))
 
-    limit, n, states = run(main, contexts=2)
+    limit, n, states, text = run(main, contexts=2)
     assert limit == "memory"  # 1,000,000 contexts need more than 24 GB on any transport
+    assert re.search(r"; add at most \d+ contexts, or free memory$", text), text
     assert n == 2 and states == ["running", "running"]  # nothing was started
 
 
