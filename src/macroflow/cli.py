@@ -158,8 +158,8 @@ class FirstToEnd:
     """
 
     def __init__(self, table: str):
-        import secrets
         import threading
+        from macroflow.launch import new_computation_id
         from macroflow.transport.mpi import WATCH_ENV, DeathWatch
         self.table = table
         self.rows: Dict[int, tuple] = {}  # pid -> (context, host)
@@ -167,7 +167,7 @@ class FirstToEnd:
         self.env: Dict[str, str] = {}
         self.watch = None
         try:
-            self.watch = DeathWatch(f"run-{os.getpid()}-{secrets.token_hex(4)}",
+            self.watch = DeathWatch(f"run-{os.getpid()}-{new_computation_id()}",
                                     lambda pid, status: self.deaths.append((pid, status)))
             self.env = {WATCH_ENV: self.watch.name}
         except OSError:
@@ -295,7 +295,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
     if mpiexec is None:
         args.parser.error("--transport mpi needs mpiexec, found neither beside this Python nor "
                           "on PATH (pip install \"macroflow[mpi]\" brings one)")
-    from macroflow.transport.mpi import _sweep_pages, in_use, mpich_shm_files
+    from macroflow.transport.mpi import _sweep_pages, mpich_shm_files, remove_unused
     shm_before = mpich_shm_files()
     with tempfile.TemporaryDirectory(prefix="macroflow-") as tmp:
         table = os.path.join(tmp, "contexts")
@@ -327,12 +327,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
                 code = watcher.exit_code(output) or code
             # an aborted job leaves MPICH's shared-memory files behind, and the
             # ranks' shared pages
-            for path in mpich_shm_files() - shm_before:
-                if not in_use(path):
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
+            remove_unused(mpich_shm_files() - shm_before)
             _sweep_pages()
         return code
 

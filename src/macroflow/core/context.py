@@ -921,21 +921,21 @@ class Engine:
             return None
         _, fid, kind, target, method, _args, _kw, _arcs, route, caller = msg
         what = f"the arguments of {method}()" if method else "the constructor's arguments"
-        if type(target) is tuple and any(x is marshal.StandIn or isinstance(x, marshal.StandIn)
-                                         for x in target):
+        undecoded = [x is marshal.StandIn or isinstance(x, marshal.StandIn)
+                     for x in (target if type(target) is tuple else ())]
+        if any(undecoded):
             what = f"the class or {what}"  # (one message: which part failed is not known)
         err = errors.CallError(f"context {self.id} could not unpickle {what}, sent by "
                                f"context {src}: {type(e).__name__}: {e}")
-        if type(target) is tuple and target and target[0] is marshal.StandIn:
+        if any(undecoded) and target[0] is marshal.StandIn:
             # a class this process cannot rebuild (a stateless object's): one
             # whose methods fail with the reason
             target = (_Unreadable.of(err), (), {})
-        elif type(target) is tuple:
+        elif any(undecoded):
             # a class rebuilt by a function that could not be (a class sent
             # by value, by another version of cloudpickle, say), in a
             # persistent object's target or a regular one's: the same
-            target = tuple(_Unreadable.of(err) if x is marshal.StandIn
-                           or isinstance(x, marshal.StandIn) else x for x in target)
+            target = tuple(_Unreadable.of(err) if u else x for x, u in zip(target, undecoded))
         return self.failing((CALL, fid, kind, target, method, None, None, None, route, caller),
                             err)
 

@@ -81,6 +81,7 @@ job instead, every rank included, with a message naming the process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -96,7 +97,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import ring as _ring
 from .base import Transport
@@ -329,7 +330,8 @@ class DeathWatch:
         abstract sockets cannot be made."""
         if cls._mine is None:
             try:
-                cls._mine = DeathWatch(f"{os.getpid()}-{secrets_token()}", _report_death)
+                from ..launch import new_computation_id
+                cls._mine = DeathWatch(f"{os.getpid()}-{new_computation_id()}", _report_death)
             except OSError:
                 return None
         return cls._mine
@@ -446,11 +448,6 @@ class DeathWatch:
                 pass
 
 
-def secrets_token() -> str:
-    import secrets
-    return secrets.token_hex(4)
-
-
 #: where this process's :class:`DeathWatch` reports the deaths it hears of
 #: (set by the launcher of the computation that spawned the ranks)
 _death_listeners: List[Callable[[int, Optional[int]], None]] = []
@@ -478,15 +475,25 @@ def _status_when_ended(pid: int, wait: float = 0.1) -> Optional[int]:
         os.close(fd)
 
 
-def _exit_status(pid: int) -> Optional[int]:
-    """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
+def _stat(pid: int) -> Optional[List[bytes]]:
+    """The fields of /proc/<pid>/stat after the command's name (state first),
+    or None if the process is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        if fields[0] != b"Z" or len(fields) < 50:
-            return None
+    except (OSError, IndexError):
+        return None
+    return fields or None
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    """The wait status of process ``pid`` while it is a zombie (from /proc), else None."""
+    fields = _stat(pid)
+    if fields is None or fields[0] != b"Z" or len(fields) < 50:
+        return None
+    try:
         return int(fields[49])  # exit_code, field 52 of the line
-    except (OSError, ValueError, IndexError):
+    except ValueError:
         return None
 
 
@@ -524,6 +531,25 @@ def in_use(path: str, besides: int = 0) -> bool:
         except OSError:
             continue
     return False
+
+
+def remove_unused(paths: Iterable[str], besides: int = 0) -> None:
+    """Remove the files of ``paths`` that no process here (but ``besides``)
+    has open or mapped.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> open(os.path.join(d, "x"), "w").close()
+        >>> remove_unused([os.path.join(d, "x")]); os.listdir(d)
+        []
+    """
+    for path in paths:
+        if not in_use(path, besides):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 #: MPICH's shared-memory files that appeared while this process spawned ranks
@@ -578,11 +604,6 @@ def _at_exit() -> None:  # pragma: no cover - ends the process
     else:
         code = 1 if last is not None else 0
     os._exit(code)
-
-
-def _register_at_exit() -> None:
-    import atexit
-    atexit.register(_at_exit)
 
 
 def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
@@ -1814,11 +1835,7 @@ class MpiTransport(Transport):
         reported lost at this rank's next poll, which this wakes."""
         self.died.append((peer, how))
         if self.waker is not None and self.wake_name is not None:
-            try:
-                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-                    s.sendto(b"d", Waker.address(self.wake_name, self.ctx))
-            except OSError:
-                pass
+            self.waker.wake(Waker.address(self.wake_name, self.ctx))
 
     def _on_died(self) -> None:
         self.broken = True
@@ -2481,8 +2498,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         self._sigterm: Optional[Callable[[int, Any], None]] = None
         self._starting = False
         self._term_pending = 0
-        self.first_death: Optional[int] = None  # the spawned rank that died first
-        self.deaths: Dict[int, str] = {}  # spawned ranks that died: how
+        self.deaths: Dict[int, str] = {}  # spawned ranks that died, in that order: how
 
     def _watch_deaths(self) -> None:
         """Hear of spawned ranks that die (see :class:`DeathWatch`)."""
@@ -2497,8 +2513,8 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         if eng is None or ctx is None:
             return
         global _broken
-        if self.first_death is None:
-            self.first_death = ctx
+        first = next(iter(self.deaths), None)
+        if first is None:
             if status is None:
                 how = "ended while the computation ran (killed, or os._exit)"
             elif os.WIFSIGNALED(status):
@@ -2511,7 +2527,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             _end_without_finalize()
         else:
             how = (f"its process (pid {pid}) was ended by MPI after context "
-                   f"{self.first_death}'s died (MPI's process manager ends every spawned "
+                   f"{first}'s died (MPI's process manager ends every spawned "
                    f"rank when one dies)")
         self.deaths[ctx] = how
         eng.transport.peer_died(ctx, how)
@@ -2723,13 +2739,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 self._sigterm = None
             if self.deaths:
                 # MPICH's segments, which its ranks remove only when they end in order
-                for path in sorted(_spawn_segments):
-                    if not in_use(path, besides=os.getpid()):
-                        _spawn_segments.discard(path)
-                        try:
-                            os.unlink(path)
-                        except OSError:
-                            pass
+                remove_unused(sorted(_spawn_segments), besides=os.getpid())
             # the shared pages of ranks that did not close their transport
             # (killed, or ended by MPI_Abort): nobody else would remove them
             import glob
@@ -2784,12 +2794,8 @@ def _alive(host: str, pid: int) -> bool:
     """Whether the process ``pid`` of ``host`` still runs (True if it cannot be known)."""
     if not _local(host) or not pid:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
 
 
 class MpiWindow:
@@ -3027,4 +3033,4 @@ class NativeCollective:
         return self.out
 
 
-_register_at_exit()  # (at import: see _at_exit)
+atexit.register(_at_exit)  # (at import: see _at_exit)
