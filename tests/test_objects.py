@@ -990,6 +990,12 @@ class Pair:
 
 
 @mf.persistent
+class Triple:
+    def join(self, a, five, b, arr, a2):
+        return a, five, b, int(arr.sum()), a2
+
+
+@mf.persistent
 class Picky:
     @mf.guard(lambda self, xs: len(xs) >= 2)
     def take(self, xs):
@@ -1007,6 +1013,42 @@ def test_the_same_future_twice_in_one_call(run):
     total, (a, b), twice = run(main)
     assert total == 18 and twice == 2
     assert a == [1, 2, "mine"] and b == [1, 2]
+
+
+def test_futures_among_plain_arguments_fill_their_places(run):
+    # Futures at the top level of the arguments travel as arcs by position
+    # (the call stays a plain message): each value lands in its own place,
+    # beside plain values, finished futures (an array among them), and
+    # futures of another context
+    def main():
+        m = Math.create(on=1)
+        far = Math.create(on=2)
+        a = far.square(3)
+        arr = m.make(4)
+        arr.result()  # finished here: passed as the array itself
+        b = far.add("x", "y")
+        pair = Pair.create(on=1)
+        return (m.total([1, 2]).result(),
+                Triple.create(on=1).join(a, 5, b, arr, a).result(),
+                pair.both(m.add([1], [2]), "plain").result())
+
+    total, (a, five, b, arr_sum, a2), (first, second) = run(main)
+    assert total == 3 and (a, five, b, arr_sum, a2) == (9, 5, "xy", 4, 9)
+    assert first == [1, 2, "mine"] and second == "plain"
+
+
+def test_a_failed_future_twice_among_plain_arguments_fails_the_call(run):
+    def main():
+        m = Math.create(on=1)
+        bad = m.fail("upstream")
+        bad.exception()  # finished, with its exception, before it is passed
+        late = m.fail("later")
+        return (Math.create(on=2).add(bad, bad).exception(),
+                Math.create(on=2).add(1, late).exception())
+
+    first, second = run(main)
+    assert isinstance(first, ValueError) and "upstream" in str(first)
+    assert isinstance(second, ValueError) and "later" in str(second)
 
 
 def test_guard_reads_arguments_that_are_arcs(run):

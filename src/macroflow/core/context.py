@@ -446,13 +446,22 @@ class Engine:
             fid = (self.id, next(self.seq))
         arcs = None
         plain = not kwargs
+        top = False  # futures among the arguments, none inside a container
         if plain:
             for v in args:  # marshal.plain(args), inline
-                if type(v) not in _PLAIN:
-                    plain = False
+                t = type(v)
+                if t not in _PLAIN:
+                    if t is Future:
+                        top = True
+                        continue
+                    plain = top = False
                     break
-        if not plain and ((args and _has_future(args))
-                          or (kwargs and _has_future(kwargs.values()))):
+        if top:
+            # the commonest dataflow call (a chain's): arcs by position, so
+            # the message stays plain (the C pickler's, no Arc to reduce)
+            args, arcs, plain = self._top_arcs(args, fid, dest)
+        elif not plain and ((args and _has_future(args))
+                            or (kwargs and _has_future(kwargs.values()))):
             args, kwargs, arcs = self._make_arcs(args, kwargs, fid, dest)
         eager = site is not None and site.strict >= 2
         # the caller's manager placed it: that decision is the first of transfer_limit moves
@@ -463,7 +472,8 @@ class Engine:
         # a call to this very context, of plain values only, is queued as it is
         # (see _process): nothing in it can change, so call-by-value holds
         # without the pickle and its decoding
-        queued = plain and dest == self.id and self.relay_to is None and _shareable(target)
+        queued = plain and arcs is None and dest == self.id and self.relay_to is None \
+            and _shareable(target)
         try:
             if queued:
                 data = bufs = None
@@ -504,6 +514,44 @@ class Engine:
             self.send_frame(dest, [data, *bufs] if bufs else [data], urgent=True)
         return fut
 
+    def _top_arcs(self, args: tuple, fid, dest: int):
+        """``args`` (plain values and futures) with None where a future's value
+        will go, the arcs ``(label, home, positions)`` that fill them in, and
+        whether what is left is plain. A future already here with its value
+        is passed as that value."""
+        out = list(args)
+        arcs: List[Any] = []
+        where: Dict[Any, int] = {}
+        plain = True
+        for i, x in enumerate(args):
+            if type(x) is not Future:
+                continue
+            if x._engine.closed:
+                raise stale_future(x)
+            if x._state == FINISHED and x._exc is None:
+                v = out[i] = x._value  # already here: pass the value itself
+                if type(v) not in _PLAIN:
+                    plain = False
+                continue
+            out[i] = None
+            afid = x._fid
+            k = where.get(afid)
+            if k is not None:  # the same future again: one arc, two places
+                label, home, at = arcs[k]
+                arcs[k] = (label, home, at + (i,))
+                continue
+            where[afid] = len(arcs)
+            label = (afid, fid)
+            if x._state == FINISHED:  # finished with an exception: send it as a token
+                arcs.append((label, self.id, (i,)))
+                self.send_error(dest, label, x._exc)
+                continue
+            if x._site is not None and not x._asked:
+                x._site.strict = 0  # this site's futures feed other calls: route lazily
+            x._arcs += 1  # its home keeps the value until this consumer has asked
+            arcs.append((label, x._home, (i,)))
+        return tuple(out), (tuple(arcs) if arcs else None), plain
+
     def _make_arcs(self, args, kwargs, fid, dest):
         found: Dict[Any, Future] = {}
 
@@ -537,7 +585,7 @@ class Engine:
         if f._home == self.id:
             self._on_forward(f._fid, dest, label)
         else:
-            self.send(f._home, (FORWARD, f._fid, dest, label))
+            self.send_frame(f._home, [_pdumps((FORWARD, f._fid, dest, label), 5)])
 
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
@@ -967,7 +1015,8 @@ class Engine:
             self.active += 1
         if arcs:
             tokens = self.tokens
-            for label, home in arcs:
+            for arc in arcs:  # (label, home), or (label, home, positions)
+                label, home = arc[0], arc[1]
                 if label in tokens:
                     continue
                 if home in self.lost and home not in self.heirs:
@@ -979,7 +1028,8 @@ class Engine:
                 if home == self.id:
                     self._on_forward(label[0], self.id, label)
                 else:
-                    self.send(home, (FORWARD, label[0], self.id, label))
+                    # (ids only: the C pickler's, as the runtime's encoder would write it)
+                    self.send_frame(home, [_pdumps((FORWARD, label[0], self.id, label), 5)])
         handler.accept(call)
 
     def _unknown_kind(self, call: Call, src: int) -> None:
@@ -1062,8 +1112,18 @@ class Engine:
         return {k: _subst(v, call, self) for k, v in call.kwargs.items()}
 
     def _fill(self, args, call: Call):
-        if not call.arcs:
+        arcs = call.arcs
+        if not arcs:
             return args
+        if len(arcs[0]) == 3:  # by position (see _top_arcs)
+            out = list(args)
+            for label, _home, at in arcs:
+                for i in at:
+                    ok, v = call_token(call, label[0], self)
+                    if not ok:
+                        raise v
+                    out[i] = v
+            return out
         return tuple(_subst(a, call, self) for a in args)
 
     # ------------------------------------------------------------------ results
@@ -1208,7 +1268,7 @@ class Engine:
         else:
             # remembered: if home is lost before it answers, the requester is told
             slot.subs.append((dest, label))
-            self.send(home, (FORWARD, to_fid, dest, label))
+            self.send_frame(home, [_pdumps((FORWARD, to_fid, dest, label), 5)])
 
     def _on_forward(self, fid, dest, label) -> None:
         # A loop, not recursion: a chain of aliases (a method returning a call
@@ -1688,7 +1748,8 @@ class Engine:
                     continue
                 if call.missing:  # it waits for arguments: follow each producer
                     path = path + [(call.fid, label, self.id, "waits for an argument from")]
-                    for lab, home in call.arcs or ():
+                    for arc in call.arcs or ():
+                        lab, home = arc[0], arc[1]
                         if self.awaiting.get(lab) is call:
                             if home == self.id:
                                 todo.append((lab[0], path))
@@ -1761,7 +1822,7 @@ class Engine:
                 del self.asked[fid]
                 f._set(False, exc)
         for label, call in list(self.awaiting.items()):
-            if any(label == l and home == peer for l, home in (call.arcs or ())):
+            if any(label == a[0] and a[1] == peer for a in (call.arcs or ())):
                 del self.awaiting[label]
                 self._token_arrived(call, label, False, exc)
         for fid, slot in list(self.slots.items()):

@@ -456,6 +456,16 @@ class ObjectCalls(_HostedKind):
                 # the caller's first blocked call is free: so are the calls
                 # behind it, up to the next one still missing an argument
                 lane.popleft()
+                if not lane and obj.queued == 1 and not obj.busy and obj.state == "live" \
+                        and call.method not in obj.guarded:
+                    # the only call queued (a chain's link): run it now, as
+                    # _pick would, without the heap
+                    del obj.lanes[call.caller]
+                    obj.queued = 0
+                    self.eng.stats.calls_examined += 1
+                    obj.busy = True
+                    self.eng.spawn(self.host._run_object, obj, call)
+                    return
                 _make_eligible(obj, call)
                 while lane and not lane[0].missing:
                     _make_eligible(obj, lane.popleft())

@@ -27,7 +27,7 @@ import os
 import pickle
 import select
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .base import Transport
 
@@ -228,25 +228,34 @@ class MultiTransport(Transport):
         if got or self.news or self.delivered or timeout == 0:
             return got or self.delivered
         deadline = None if timeout is None else time.monotonic() + timeout
+        events: Any = None  # what the spin found, read at once (not asked for again)
         if self.spin_s > 0.0:
+            poll, blind = self.ep.poll, self.blind
             end = time.perf_counter() + self.spin_s
             last = time.perf_counter()
             while True:
                 os.sched_yield()
-                if self.ep.poll(0) or any(m.poll(0) for m in self.blind):
+                events = poll(0)
+                if events:
                     break
+                if blind:
+                    for m in blind:
+                        got = m.poll(0) or got
+                    if got or self.delivered:
+                        return True
                 t = time.perf_counter()
                 if t > end or t - last > _PREEMPTED:
                     break
                 last = t
         while True:
-            wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            if self.blind:  # no descriptor to sleep on: look at them every millisecond
-                wait = 0.001 if wait < 0 else min(wait, 0.001)
-            try:
-                events = self.ep.poll(wait)
-            except InterruptedError:
-                events = []
+            if not events:
+                wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                if self.blind:  # no descriptor to sleep on: look at them every millisecond
+                    wait = 0.001 if wait < 0 else min(wait, 0.001)
+                try:
+                    events = self.ep.poll(wait)
+                except InterruptedError:
+                    events = []
             for fd, _ev in events:
                 got = self.byfd[fd].poll(0) or got
             for m in self.blind:
@@ -256,6 +265,7 @@ class MultiTransport(Transport):
             if got or self.delivered or events or \
                     (deadline is not None and time.monotonic() >= deadline):
                 return got or self.delivered
+            events = None
 
     def close(self) -> None:
         for m in self.modules:
