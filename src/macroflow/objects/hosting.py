@@ -323,7 +323,9 @@ class ObjectHost(Model):
                 self.eng.spawn(self._pump, obj)
                 return
             g.call = obj.running = None
-            call = self._pick(obj) if obj.queued else None
+            # (calls in lanes wait for an argument: only these may be picked)
+            call = self._pick(obj) if obj.ready or obj.gready or obj.create is not None \
+                else None
         obj.busy = False
         if obj.state in _GONE and not obj.queued:
             self._forget_object(obj)
@@ -444,8 +446,8 @@ class ObjectCalls(_HostedKind):
             obj.busy = True  # idle, nothing queued, no guard: run it now
             self.eng.spawn(host._run_object, obj, call)
             return
-        else:
-            _enqueue(obj, call)
+        elif not _enqueue(obj, call) and obj.state == "live":
+            return  # in its caller's lane, behind a missing argument: nothing new may run
         host._pump(obj)
 
     def arguments_ready(self, call: Call) -> None:
@@ -456,12 +458,14 @@ class ObjectCalls(_HostedKind):
                 # the caller's first blocked call is free: so are the calls
                 # behind it, up to the next one still missing an argument
                 lane.popleft()
-                if not lane and obj.queued == 1 and not obj.busy and obj.state == "live" \
-                        and call.method not in obj.guarded:
-                    # the only call queued (a chain's link): run it now, as
-                    # _pick would, without the heap
-                    del obj.lanes[call.caller]
-                    obj.queued = 0
+                if not obj.busy and not obj.ready and not obj.gready and obj.state == "live" \
+                        and call.method not in obj.guarded and (not lane or lane[0].missing):
+                    # the only call that may run (a chain's link, the next
+                    # still waiting for its argument): run it now, as _pick
+                    # would, without the heap
+                    if not lane:
+                        del obj.lanes[call.caller]
+                    obj.queued -= 1
                     self.eng.stats.calls_examined += 1
                     obj.busy = True
                     self.eng.spawn(self.host._run_object, obj, call)
@@ -613,17 +617,20 @@ def _nothing(target) -> None:
     """
 
 
-def _enqueue(obj: HostedObject, call: Call) -> None:
+def _enqueue(obj: HostedObject, call: Call) -> bool:
+    """Queue ``call`` at ``obj``; True if it may run (not in a lane)."""
     obj.arrivals += 1
     call.order = obj.arrivals
     obj.queued += 1
     lane = obj.lanes.get(call.caller)
     if lane is not None:
         lane.append(call)  # behind a call of the same caller that is still missing an argument
-    elif call.missing:
+        return False
+    if call.missing:
         obj.lanes[call.caller] = deque((call,))
-    else:
-        _make_eligible(obj, call)
+        return False
+    _make_eligible(obj, call)
+    return True
 
 
 def _make_eligible(obj: HostedObject, call: Call) -> None:
