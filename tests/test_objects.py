@@ -1037,6 +1037,82 @@ def test_futures_among_plain_arguments_fill_their_places(run):
     assert first == [1, 2, "mine"] and second == "plain"
 
 
+def test_a_finished_future_passed_twice_gives_each_parameter_its_own_copy(run):
+    # beside a future still pending (the call waits for it), and inside
+    # containers (the other way arcs travel)
+    def main():
+        m = Math.create(on=1)
+        xs = m.add([0], [])
+        xs.result()  # finished here, a list
+        pending = m.square(3)
+        pair = Pair.create(on=2)
+        return (pair.both(xs, xs).result(), Triple.create(on=2).join(xs, pending, xs, np.ones(2),
+                                                                     pending).result(),
+                pair.both([xs, pending], [xs]).result())
+
+    (a, b), joined, (c, d) = run(main)
+    assert a == [0, "mine"] and b == [0]
+    assert joined[0] == [0] and joined[2] == [0] and joined[1] == joined[4] == 9
+    assert c == [[0], 9, "mine"] and d == [[0]]
+
+
+@mf.persistent
+class Tokens:
+    def take(self, *args):
+        return args
+
+    def held(self):
+        return len(current_engine().tokens)
+
+
+_old_future = {}
+
+
+def _make_old_future():
+    _old_future["f"] = Math.create(on=1).square(2)  # of a computation about to end
+    return 0
+
+
+def test_a_stale_future_among_the_arguments_leaves_nothing_behind(run):
+    # the StaleReference comes before any other argument is counted or sent
+    # (a failed future's exception went ahead of the call, and stayed there)
+    run(_make_old_future, contexts=2)
+
+    def main():
+        m = Math.create(on=1)
+        t = Tokens.create(on=2)
+        bad = m.fail("x")
+        bad.exception()
+        for i in range(20):
+            with pytest.raises(mf.StaleReference):
+                t.take(m.square(i), bad, _old_future["f"])
+        return t.take(1).result(), t.held().result()
+
+    assert run(main) == ((1,), 0)
+
+
+@mf.regular
+class Adder:
+    def add(self, a, b):
+        return a + b
+
+
+def test_a_failed_future_reaches_a_regular_call_that_was_passed_on(transport):
+    # its exception goes to the first context ahead of the call; the call,
+    # passed on from there, takes it along (it used to wait for ever)
+    def main():
+        bad = Math.create(on=1).fail("boom")
+        bad.exception()
+        out = []
+        for f in [Adder().add(bad, i) for i in range(6)]:
+            out.append(type(f.exception(timeout=20)).__name__)
+        return out, sum(s["calls_transferred"] for s in mf.stats().values())
+
+    out, moved = mf.run(main, contexts=3, transport=transport,
+                        placement=mf.Placement(threshold=0, transfer_limit=3))
+    assert out == ["ValueError"] * 6 and moved > 0
+
+
 def test_a_failed_future_twice_among_plain_arguments_fails_the_call(run):
     def main():
         m = Math.create(on=1)

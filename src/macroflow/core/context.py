@@ -22,7 +22,9 @@ CALL      run a call: (op, fid, kind, target, method, args, kwargs, arcs, route,
           core's; the others a model's), and caller names the thread of
           control that issued it (the issuing invocation's fid, or the context
           id for its root): calls of one caller run on an object in the order
-          issued
+          issued. A future at the top of the arguments (no keywords) leaves None
+          in its place and an arc (label, home, positions); one inside a
+          container leaves an Arc there and an arc (label, home)
 VALUE     a value for a label: a struct header (not a pickle: values are the
           commonest message), then the value's pickle and its buffers
 FORWARD   send the value of fid, when known, to dest under label; the consumer
@@ -519,19 +521,25 @@ class Engine:
         will go, the arcs ``(label, home, positions)`` that fill them in, and
         whether what is left is plain. A future already here with its value
         is passed as that value."""
+        for x in args:  # before anything is counted or sent for the others
+            if type(x) is Future and x._engine.closed:
+                raise stale_future(x)
         out = list(args)
         arcs: List[Any] = []
         where: Dict[Any, int] = {}
+        passed: set = set()
         plain = True
         for i, x in enumerate(args):
             if type(x) is not Future:
                 continue
-            if x._engine.closed:
-                raise stale_future(x)
             if x._state == FINISHED and x._exc is None:
-                v = out[i] = x._value  # already here: pass the value itself
+                v = x._value  # already here: pass the value itself
                 if type(v) not in _PLAIN:
                     plain = False
+                    if x._fid in passed:
+                        v = _copy_value(v)  # passed again: a copy of its own
+                    passed.add(x._fid)
+                out[i] = v
                 continue
             out[i] = None
             afid = x._fid
@@ -554,12 +562,18 @@ class Engine:
 
     def _make_arcs(self, args, kwargs, fid, dest):
         found: Dict[Any, Future] = {}
+        passed: set = set()
 
         def arc(x):
             if x._engine.closed:
                 raise stale_future(x)
             if x._state == FINISHED and x._exc is None:
-                return x._value  # already here: pass the value itself
+                v = x._value  # already here: pass the value itself
+                if type(v) not in _PLAIN:
+                    if x._fid in passed:
+                        return _copy_value(v)  # passed again: a copy of its own
+                    passed.add(x._fid)
+                return v
             found[x._fid] = x
             return Arc(x._fid)
 
@@ -1049,6 +1063,13 @@ class Engine:
             self.grow(dest + 1)
         self.loads[dest] += 1
         self.stats.calls_transferred += 1
+        for arc in call.arcs or ():
+            # an argument that came before the call (an exception its issuer
+            # sent) goes ahead of it: its new context would ask the issuer,
+            # who does not hold it, and wait for ever
+            tok = self.tokens.pop(arc[0], None)
+            if tok is not None:
+                self.send_value(dest, arc[0], *self._pickle_value(*tok))
         self.send(dest, frame)
         self._alias(call.fid, slot, call.fid, dest, None)
         if call.route & EAGER:
@@ -2635,8 +2656,21 @@ def call_token(call: Call, afid, eng):
     ok, v = tok
     if not ok:
         return tok
+    return True, _copy_value(v)
+
+
+def _copy_value(v: Any) -> Any:
+    """A copy of ``v`` as a call receives it (pickled and unpickled), so
+    that the same value passed twice is two values, as by value.
+
+    Example:
+        >>> a = [1, [2]]
+        >>> b = _copy_value(a)
+        >>> b == a, b is a, b[1] is a[1]
+        (True, False, False)
+    """
     data, bufs = marshal.dumps(v)
-    return True, marshal.loads(data, [bytearray(b.raw()) for b in bufs])
+    return marshal.loads(data, [bytearray(b.raw()) for b in bufs])
 
 
 def _portable_exception(exc: BaseException, ctx: int) -> BaseException:
