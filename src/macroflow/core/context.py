@@ -1238,6 +1238,22 @@ class Engine:
                     slot.state = FINISHED
                     slot.ok, slot.data, slot.bufs = True, data, bufs
                 return
+        if ok and type(value) in _PLAIN and not keep_running and not slot.released:
+            # a plain value nobody waits for unasked (a chain's link): kept,
+            # and sent to whoever asked already, in one buffer each
+            # (_pickle_value, _complete and send_value in one)
+            data = _pdumps(value, 5)
+            slot.state = FINISHED
+            slot.ok, slot.data, slot.bufs = True, data, []
+            if slot.subs:
+                subs, slot.subs = slot.subs, []
+                st = self.stats
+                for dest, (a, c) in subs:
+                    st.values_sent += 1
+                    head = _VGET.pack(_V, True, a[0], a[1]) if c is None else \
+                        _VARC.pack(_W, True, a[0], a[1], c[0], c[1])
+                    self.send_frame(dest, [head + data])
+            return
         ok, data, bufs = self._pickle_value(ok, value)
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
@@ -1364,10 +1380,11 @@ class Engine:
                 self.early[fid] = (ok, value)
             return
         call = self.awaiting.pop(label, None)
-        if call is None:
-            self.tokens[label] = (ok, value)
-            return
-        self._token_arrived(call, label, ok, value)
+        self.tokens[label] = (ok, value)
+        if call is not None:
+            call.missing -= 1  # self._token_arrived(call, label, ok, value), inline
+            if not call.missing:
+                self.call_kinds[call.kind].arguments_ready(call)
 
     def _token_arrived(self, call: Call, label, ok, value) -> None:
         self.tokens[label] = (ok, value)
