@@ -132,6 +132,21 @@ def test_bars_judge_the_chain_length_ratio():
     assert not local_call["counted"]
 
 
+@pytest.mark.parametrize("ncores, said", [(2, "us; 3 contexts on 2 cores: oversubscribed"),
+                                          (4, "us")])
+def test_the_chain_bar_says_when_its_three_contexts_oversubscribe_the_cores(monkeypatch, ncores,
+                                                                             said):
+    base = {"pingpong_busypoll_us": 10.0, "pingpong_blocking_us": 20.0, "baseline_bandwidth_mb_s": 1000.0,
+            "pingpong_mailbox_us": 4.0}
+    t1 = {"null_rpc_persistent_us": 25.0, "pipelined_persistent_us": 10.0, "null_rpc_regular_remote_us": 18.0,
+          "null_rpc_regular_local_us": 5.0, "chain_per_link_us": 14.0, "bandwidth_mb_s": 900.0,
+          "startup_first_answer_s": 0.01, "idle_rss_fresh_mb": 30.0}
+    monkeypatch.setattr(micro, "cores", lambda: ncores)
+    chain = next(b for b in micro.bars(t1, base, metg={"metg_us": 30.0})
+                 if b["bar"].startswith("chain per link"))
+    assert chain["note"] == said
+
+
 def test_unknown_suite_is_an_error(capsys):
     assert bench.main("nonesuch") == 2
     assert "unknown suite" in capsys.readouterr().err

@@ -49,6 +49,20 @@ def json_problem(path: str) -> Optional[str]:
     return None
 
 
+def cores() -> int:
+    """The CPUs this process may run on (a figure with more contexts than
+    these is oversubscribed).
+
+    Example:
+        >>> cores() >= 1
+        True
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def progress_printer(suite: str):
     """The progress callback of a suite: one line on stderr per step.
 

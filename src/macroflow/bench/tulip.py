@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import macroflow as mf
-from macroflow.bench import json_problem, progress_printer, suite_main, write_json
+from macroflow.bench import cores, json_problem, progress_printer, suite_main, write_json
 from macroflow.bench.nexus import (_die_with_parent, _median, _us, _x, paired_ratio, size_label,
                                   summarize)
 from macroflow.core.context import current_engine
@@ -156,19 +156,6 @@ QUICK = Config("quick", batches=2, iters_small=20, iters_large=5, warmup=3, ping
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def cores() -> int:
-    """The CPUs this process may run on.
-
-    Example:
-        >>> cores() >= 1
-        True
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
