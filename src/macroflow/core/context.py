@@ -533,13 +533,9 @@ class Engine:
             if type(x) is not Future:
                 continue
             if x._state == FINISHED and x._exc is None:
-                v = x._value  # already here: pass the value itself
+                v = out[i] = _value_passed(x, passed)
                 if type(v) not in _PLAIN:
                     plain = False
-                    if x._fid in passed:
-                        v = _copy_value(v)  # passed again: a copy of its own
-                    passed.add(x._fid)
-                out[i] = v
                 continue
             out[i] = None
             afid = x._fid
@@ -550,15 +546,19 @@ class Engine:
                 continue
             where[afid] = len(arcs)
             label = (afid, fid)
-            if x._state == FINISHED:  # finished with an exception: send it as a token
-                arcs.append((label, self.id, (i,)))
-                self.send_error(dest, label, x._exc)
-                continue
-            if x._site is not None and not x._asked:
-                x._site.strict = 0  # this site's futures feed other calls: route lazily
-            x._arcs += 1  # its home keeps the value until this consumer has asked
-            arcs.append((label, x._home, (i,)))
+            arcs.append((label, self._arc_home(x, label, dest), (i,)))
         return tuple(out), (tuple(arcs) if arcs else None), plain
+
+    def _arc_home(self, f: Future, label: Any, dest: int) -> int:
+        """Make ``f`` (not finished, or failed) an arc of the call to ``dest``
+        under ``label``; returns where the consumer finds its value."""
+        if f._state == FINISHED:  # finished with an exception: send it as a token
+            self.send_error(dest, label, f._exc)
+            return self.id
+        if f._site is not None and not f._asked:
+            f._site.strict = 0  # this site's futures feed other calls: route lazily
+        f._arcs += 1  # its home keeps the value until this consumer has asked
+        return f._home
 
     def _make_arcs(self, args, kwargs, fid, dest):
         found: Dict[Any, Future] = {}
@@ -568,12 +568,7 @@ class Engine:
             if x._engine.closed:
                 raise stale_future(x)
             if x._state == FINISHED and x._exc is None:
-                v = x._value  # already here: pass the value itself
-                if type(v) not in _PLAIN:
-                    if x._fid in passed:
-                        return _copy_value(v)  # passed again: a copy of its own
-                    passed.add(x._fid)
-                return v
+                return _value_passed(x, passed)
             found[x._fid] = x
             return Arc(x._fid)
 
@@ -581,16 +576,15 @@ class Engine:
         kwargs = _replace(kwargs, Future, arc)
         arcs = []
         for afid, f in found.items():
-            if f._state == FINISHED:  # finished with an exception: send it as a token
-                arcs.append(((afid, fid), self.id))
-                self.send_error(dest, (afid, fid), f._exc)
-                continue
             label = (afid, fid)
-            if f._site is not None and not f._asked:
-                f._site.strict = 0  # this site's futures feed other calls: route lazily
-            f._arcs += 1  # its home keeps the value until this consumer has asked
-            arcs.append((label, f._home))
+            arcs.append((label, self._arc_home(f, label, dest)))
         return args, kwargs, tuple(arcs)
+
+    def send_forward(self, home: int, fid: Any, dest: int, label: Any) -> None:
+        """Ask ``home`` to send the value of ``fid`` to ``dest`` under ``label``
+        (a FORWARD: ids only, so the C pickler writes it as the runtime's
+        encoder would)."""
+        self.send_frame(home, [_pdumps((FORWARD, fid, dest, label), 5)])
 
     def forward(self, f: Future, dest: int, label: Any) -> None:
         if f._home in self.lost and f._home not in self.heirs:
@@ -599,7 +593,7 @@ class Engine:
         if f._home == self.id:
             self._on_forward(f._fid, dest, label)
         else:
-            self.send_frame(f._home, [_pdumps((FORWARD, f._fid, dest, label), 5)])
+            self.send_forward(f._home, f._fid, dest, label)
 
     def request_value(self, f: Future) -> None:
         """Ask a future's home for its value (once)."""
@@ -1042,8 +1036,7 @@ class Engine:
                 if home == self.id:
                     self._on_forward(label[0], self.id, label)
                 else:
-                    # (ids only: the C pickler's, as the runtime's encoder would write it)
-                    self.send_frame(home, [_pdumps((FORWARD, label[0], self.id, label), 5)])
+                    self.send_forward(home, label[0], self.id, label)
         handler.accept(call)
 
     def _unknown_kind(self, call: Call, src: int) -> None:
@@ -1241,18 +1234,16 @@ class Engine:
         if ok and type(value) in _PLAIN and not keep_running and not slot.released:
             # a plain value nobody waits for unasked (a chain's link): kept,
             # and sent to whoever asked already, in one buffer each
-            # (_pickle_value, _complete and send_value in one)
+            # (_pickle_value and _complete in one)
             data = _pdumps(value, 5)
             slot.state = FINISHED
             slot.ok, slot.data, slot.bufs = True, data, []
             if slot.subs:
                 subs, slot.subs = slot.subs, []
                 st = self.stats
-                for dest, (a, c) in subs:
+                for dest, label in subs:
                     st.values_sent += 1
-                    head = _VGET.pack(_V, True, a[0], a[1]) if c is None else \
-                        _VARC.pack(_W, True, a[0], a[1], c[0], c[1])
-                    self.send_frame(dest, [head + data])
+                    self.send_value(dest, label, True, data, [])
             return
         ok, data, bufs = self._pickle_value(ok, value)
         # rtf: the caller is waiting while the method goes on, so the value
@@ -1305,7 +1296,7 @@ class Engine:
         else:
             # remembered: if home is lost before it answers, the requester is told
             slot.subs.append((dest, label))
-            self.send_frame(home, [_pdumps((FORWARD, to_fid, dest, label), 5)])
+            self.send_forward(home, to_fid, dest, label)
 
     def _on_forward(self, fid, dest, label) -> None:
         # A loop, not recursion: a chain of aliases (a method returning a call
@@ -2674,6 +2665,18 @@ def call_token(call: Call, afid, eng):
     if not ok:
         return tok
     return True, _copy_value(v)
+
+
+def _value_passed(f: Future, passed: set) -> Any:
+    """The value of ``f``, finished here, as an argument of a call: the
+    value itself, or a copy of its own if ``f`` is in ``passed`` (given to
+    the same call already), so that each parameter gets its own."""
+    v = f._value
+    if type(v) not in _PLAIN:
+        if f._fid in passed:
+            return _copy_value(v)
+        passed.add(f._fid)
+    return v
 
 
 def _copy_value(v: Any) -> Any:
