@@ -730,15 +730,11 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     check = getattr(load_transport(s.transport_name), "check_room", None)
     if check is not None:
         try:
-            check(n + 1)  # n more, before any is started (as mf.run checks)
+            check(n + 1, adding=True)  # n more, before any is started (as mf.run checks)
         except errors.LimitError as e:
-            # the check's advice is for a computation of n + 1: say it for the adding
-            import re
-            why = re.sub(r"use at most (\d+) contexts",
-                         lambda m: f"add at most {max(int(m.group(1)) - 1, 0)} contexts", str(e))
             raise errors.LimitError(e.limit, f"mf.add_contexts({n}): this host cannot hold "
                                              f"{n} more contexts (checked as for a computation "
-                                             f"of {n + 1}): {why}") from None
+                                             f"of {n + 1}): {e}") from None
     ids = list(range(eng.size, eng.size + n))
     s.launcher.add(ids, init)
     eng.grow(ids[-1] + 1)

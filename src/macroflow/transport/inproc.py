@@ -176,14 +176,14 @@ class World:
         return True
 
 
-def check_room(contexts: int) -> None:
+def check_room(contexts: int, adding: bool = False) -> None:
     """Raise LimitError if ``contexts`` in-process contexts do not fit in memory.
 
     Example:
         >>> check_room(2)
     """
     from .local import check_room as check
-    check(contexts, "inproc")
+    check(contexts, "inproc", adding)
 
 
 def launcher(session):

@@ -194,8 +194,23 @@ def _size(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
 
-def check_room(contexts: int, transport: str = "local") -> None:
-    """Raise :class:`LimitError` if this host cannot hold ``contexts`` contexts.
+def room_advice(fit: int, adding: bool) -> str:
+    """What a LimitError of :func:`check_room` advises, for a computation
+    that ``fit`` contexts in all would fit: how many to use, or, for
+    contexts ``adding`` to a running one (context 0 is there already), how
+    many to add.
+
+    Example:
+        >>> room_advice(5, False), room_advice(5, True), room_advice(0, True)
+        ('use at most 5 contexts', 'add at most 4 contexts', 'add at most 0 contexts')
+    """
+    return f"add at most {max(fit - 1, 0)} contexts" if adding else f"use at most {fit} contexts"
+
+
+def check_room(contexts: int, transport: str = "local", adding: bool = False) -> None:
+    """Raise :class:`LimitError` if this host cannot hold ``contexts`` contexts
+    (``adding``: all but one of them are to be added to a running computation;
+    the advice then says how many to add).
 
     Checked before anything is started: on the ``local`` transport, the
     ``contexts - 1`` processes to fork must fit under RLIMIT_NPROC (its soft
@@ -222,7 +237,7 @@ def check_room(contexts: int, transport: str = "local") -> None:
             f"{contexts} contexts do not fit in this host's memory: they need about "
             f"{new * per >> 20} MB ({_size(per)} per context on the {transport} transport) "
             f"and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); "
-            f"use at most {fit} contexts, or free memory"))
+            f"{room_advice(fit, adding)}, or free memory"))
     if transport != "local":
         return
     soft = _nproc_limit()
@@ -239,8 +254,8 @@ def check_room(contexts: int, transport: str = "local") -> None:
         raise LimitError("RLIMIT_NPROC", (
             f"{contexts} contexts need {new} new processes, but this user may start only "
             f"{room} more (RLIMIT_NPROC soft limit {soft}, hard limit {shown}; "
-            f"{running} processes and threads of this user are running); use at most "
-            f"{room + 1} contexts, or raise the limit with `ulimit -u N` in the shell that "
+            f"{running} processes and threads of this user are running); "
+            f"{room_advice(room + 1, adding)}, or raise the limit with `ulimit -u N` in the shell that "
             f"starts Python (or resource.setrlimit(resource.RLIMIT_NPROC, (N, hard)) "
             f"before mf.init or mf.run)"))
 

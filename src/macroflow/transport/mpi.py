@@ -533,23 +533,26 @@ def in_use(path: str, besides: int = 0) -> bool:
     return False
 
 
-def remove_unused(paths: Iterable[str], besides: int = 0) -> None:
+def remove_unused(paths: Iterable[str], besides: int = 0) -> List[str]:
     """Remove the files of ``paths`` that no process here (but ``besides``)
-    has open or mapped.
+    has open or mapped; returns those (gone already or not).
 
     Example:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
         >>> open(os.path.join(d, "x"), "w").close()
-        >>> remove_unused([os.path.join(d, "x")]); os.listdir(d)
-        []
+        >>> remove_unused([os.path.join(d, "x")]) == [os.path.join(d, "x")], os.listdir(d)
+        (True, [])
     """
+    removed = []
     for path in paths:
         if not in_use(path, besides):
+            removed.append(path)
             try:
                 os.unlink(path)
             except OSError:
                 pass
+    return removed
 
 
 #: MPICH's shared-memory files that appeared while this process spawned ranks
@@ -2434,7 +2437,7 @@ CONTEXTS_FILE = "MACROFLOW_MPI_CONTEXTS"
 WATCH_ENV = "MACROFLOW_MPI_WATCH"
 
 
-def check_room(contexts: int) -> None:
+def check_room(contexts: int, adding: bool = False) -> None:
     """Raise LimitError if ``contexts`` contexts cannot be started here.
 
     Under mpiexec the ranks exist already; otherwise the ``contexts - 1``
@@ -2446,15 +2449,15 @@ def check_room(contexts: int) -> None:
     if world_from_environment() is not None:
         return
     from ..core.errors import LimitError
-    from .local import _mem_available
+    from .local import _mem_available, room_advice
     avail = _mem_available()
     need = (contexts - 1) * CONTEXT_MEMORY
     if avail is not None and need > avail:
         raise LimitError("memory", (
             f"{contexts} contexts do not fit in this host's memory: the {contexts - 1} ranks "
             f"to spawn need about {need >> 20} MB ({CONTEXT_MEMORY >> 20} MB each on the mpi "
-            f"transport) and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); use "
-            f"at most {avail // CONTEXT_MEMORY + 1} contexts, or free memory"))
+            f"transport) and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); "
+            f"{room_advice(avail // CONTEXT_MEMORY + 1, adding)}, or free memory"))
 
 
 def launcher(session):
@@ -2739,7 +2742,8 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                 self._sigterm = None
             if self.deaths:
                 # MPICH's segments, which its ranks remove only when they end in order
-                remove_unused(sorted(_spawn_segments), besides=os.getpid())
+                _spawn_segments.difference_update(
+                    remove_unused(sorted(_spawn_segments), besides=os.getpid()))
             # the shared pages of ranks that did not close their transport
             # (killed, or ended by MPI_Abort): nobody else would remove them
             import glob

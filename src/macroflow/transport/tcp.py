@@ -1028,7 +1028,7 @@ class TcpTransport(LocalTransport):
         self.tcp.close()
 
 
-def check_room(contexts: int) -> None:
+def check_room(contexts: int, adding: bool = False) -> None:
     """Raise LimitError if this host cannot hold ``contexts`` forked contexts
     (as for the ``local`` transport: the launcher here forks them too).
 
@@ -1036,7 +1036,7 @@ def check_room(contexts: int) -> None:
         >>> check_room(2)
     """
     from .local import check_room as local_check_room
-    local_check_room(contexts, "local")
+    local_check_room(contexts, "local", adding)
 
 
 def launcher(session: Any) -> Any:
