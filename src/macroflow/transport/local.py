@@ -61,6 +61,7 @@ import struct
 import sys
 import time
 from collections import deque
+from pickle import PickleBuffer
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as _np
@@ -73,7 +74,15 @@ _HDR = struct.Struct("<II")
 _HDR1 = struct.Struct("<IIQ")  # the common frame: one buffer
 _RBUF_MIN = 16 * 1024  # a connection's read buffer when it is made
 _RBUF = 256 * 1024  # the most it grows to (for frames of buffers up to _BIG)
-_BIG = _RBUF // 2  # buffers larger than this are received in place
+# Buffers larger than this are received in place (a pooled or fresh array),
+# not read into the connection's buffer and copied out. A read into that
+# buffer takes at most _RECV_MAX bytes, so the start of a large buffer that a
+# read takes along (and copies again) is short: on tcp a 1 MiB array there
+# and back took 765 us with _BIG at 128 KiB and unbounded reads, of which
+# 2 x 46 us went to reading up to 256 KiB of it into the connection's buffer
+# and copying that out.
+_BIG = 128 * 1024
+_RECV_MAX = 32 * 1024
 _SOCKBUF = 4 * 1024 * 1024
 _IOV_MAX = 512
 _SMALL = 64 * 1024  # frames up to this size are joined and sent with one send()
@@ -89,11 +98,10 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _START_WAIT = 120.0  # seconds to wait for a peer's listening socket to appear
 NOT_STARTED, LISTENING, GONE = 0, 1, 2  # a context's state in Mesh.states
 RING_BYTES = 1 << 20  # a shared-memory ring, one direction of one connection
-# larger frames travel on the socket (a MARK in the ring). Up to _BIG the
-# socket copies a payload out of its read buffer, so the ring (a copy in, a
-# copy out) is never worse; a 64 KiB array there and back took 76 us by the
-# socket and 39 us by the ring.
-RING_FRAME_MAX = _BIG
+# larger frames travel on the socket (a MARK in the ring). Up to this size
+# the ring (a copy in, a copy out) is never worse than the socket; a 64 KiB
+# array there and back took 76 us by the socket and 39 us by the ring.
+RING_FRAME_MAX = 128 * 1024
 # each ring has a bulk area of this many bytes (pages taken only once
 # written) for the buffers of BULK_MIN bytes or more of a frame: one copy
 # in, and the receiver's array is made on the area itself (see ring.py)
@@ -411,7 +419,7 @@ def _frame_head(lens: Sequence[int], load: int) -> bytes:
 
 
 def _view(p: object) -> memoryview:
-    if isinstance(p, __import__("pickle").PickleBuffer):
+    if type(p) is PickleBuffer:
         return p.raw()
     m = memoryview(p)  # type: ignore[arg-type]
     return m if m.format == "B" and m.ndim == 1 else m.cast("B")
@@ -1278,8 +1286,8 @@ class LocalTransport(Transport):
                     size = len(c.rbuf)
                     if c.re == size:
                         self._compact(c)
-                    want = size - c.re
-                    n = sock.recv_into(c.rmv[c.re:])
+                    want = min(size - c.re, _RECV_MAX)
+                    n = sock.recv_into(c.rmv[c.re:c.re + want])
                     if n:
                         c.re += n
                         got = self._parse(c) or got

@@ -97,6 +97,7 @@ import time
 import traceback
 import zlib
 from collections import deque
+from pickle import PickleBuffer
 from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import ring as _ring
@@ -2018,7 +2019,7 @@ def _fine_timer_slack() -> None:
 
 
 def _view(p: object) -> memoryview:
-    if isinstance(p, __import__("pickle").PickleBuffer):
+    if type(p) is PickleBuffer:
         return p.raw()
     m = memoryview(p)  # type: ignore[arg-type]
     return m if m.format == "B" and m.ndim == 1 and m.c_contiguous else m.cast("B")

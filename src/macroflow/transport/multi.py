@@ -36,6 +36,7 @@ ROUTE_WAIT = 10.0
 # first byte of the transport's own frames (engine frames start with a pickle's
 # 0x80 or a struct's "V"/"W")
 _CONTROL = b"\x00"
+_CONTROL_BYTE = _CONTROL[0]
 #: ids from here up are guests: a worker asking to join, before it has context ids
 GUEST_BASE = 1 << 31
 _PREEMPTED = 0.001
@@ -88,6 +89,8 @@ class MultiTransport(Transport):
         self.ep = select.epoll()
         self.byfd: Dict[int, Transport] = {}
         self.blind: List[Transport] = []  # modules with no descriptor to sleep on
+        # the only module, when there is one: poll leaves the waiting to it
+        self.single: Optional[Transport] = modules[0] if len(modules) == 1 else None
         for m in modules:
             fd = m.fileno()
             if fd is None:
@@ -107,9 +110,13 @@ class MultiTransport(Transport):
 
         def deliver(src: int, bufs: List[object], load: int) -> None:
             counts["messages_received"] += 1
-            counts["bytes_received"] += sum(memoryview(b).nbytes for b in bufs)
-            if memoryview(bufs[0])[:1] == _CONTROL:  # the transport's own: never the engine's
-                kind, payload = pickle.loads(memoryview(bufs[0])[1:])
+            b0 = memoryview(bufs[0])
+            if len(bufs) == 1:  # the commonest frame: no generator to sum over
+                counts["bytes_received"] += b0.nbytes
+            else:
+                counts["bytes_received"] += sum(memoryview(b).nbytes for b in bufs)
+            if b0.nbytes and b0[0] == _CONTROL_BYTE:  # the transport's own: never the engine's
+                kind, payload = pickle.loads(b0[1:])
                 if kind == "learn":
                     self.learn(*payload)
                 else:
@@ -223,6 +230,12 @@ class MultiTransport(Transport):
     def poll(self, timeout: Optional[float]) -> bool:
         got = False
         self.news = self.delivered = False
+        if self.single is not None:
+            # one protocol (every context of a tcp computation, say): its own
+            # poll spins and sleeps as this one would, without a second epoll
+            # and a second pass over the module at every message
+            got = self.single.poll(timeout)
+            return got or self.delivered or self.news
         for m in self.modules:
             got = m.poll(0) or got
         if got or self.news or self.delivered or timeout == 0:
