@@ -222,3 +222,46 @@ def test_a_frame_a_module_delivers_without_saying_so_is_not_slept_on():
     finally:
         zero.close()
         two.close()
+
+
+class _Counting(AltTransport):
+    """A module that counts its polls and the timeouts it was given."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.polls = []
+
+    def poll(self, timeout):
+        self.polls.append(timeout)
+        return LocalTransport.poll(self, timeout)
+
+
+def test_one_module_is_left_to_wait_by_itself():
+    # a computation of one protocol (tcp): each poll is one poll of the
+    # module, with the engine's timeout, and a frame or a lost peer brings it back
+    a02, a20 = socket.socketpair()
+    zero = MultiTransport(0, [_Counting(0, {2: a02})], {2: (("alt", "alt-2"),)})
+    two = AltTransport(2, {0: a20})
+    got, lost = [], []
+    zero.attach(lambda s, b, l: got.append((s, bytes(b[0]))), lambda p, how: lost.append(p))
+    try:
+        t = threading.Timer(0.05, lambda: two.send(0, [b"later"], 0))
+        t.start()
+        assert zero.poll(30.0) is True  # woken by the frame, not by the timeout
+        t.join()
+        assert got == [(2, b"later")]
+        assert zero.modules[0].polls == [30.0]
+        assert zero.counters()["alt"]["messages_received"] == 1
+        assert zero.counters()["alt"]["bytes_received"] == len(b"later")
+        t = threading.Thread(target=two.close)
+        t.start()
+        zero.poll(30.0)  # returns although nothing was delivered
+        t.join()
+        for _ in range(100):
+            if lost:
+                break
+            zero.poll(0.01)
+        assert lost == [2]
+    finally:
+        zero.close()
+        two.close()
