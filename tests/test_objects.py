@@ -1301,3 +1301,56 @@ def test_a_value_that_comes_after_the_timeout_is_late_on_every_transport(run):
         return f.result(timeout=30)  # the call went on
 
     assert run(main, contexts=2) == "done"
+
+
+class _FutureHolder:
+    """A future inside an object travels as a future (elaborated at the callee)."""
+
+    def __init__(self, f):
+        self.f = f
+
+
+@mf.persistent
+class _Returns:
+    def __init__(self):
+        self.h = None
+
+    def set(self, h):
+        self.h = h
+
+    @mf.guard(lambda self: self.h is not None)
+    def ret(self):
+        return self.h.f
+
+
+@pytest.mark.timeout(60)
+def test_a_method_that_returns_its_own_future_fails_and_its_context_goes_on(run):
+    def main():
+        b = _Returns.create(on=1)
+        f = b.ret()
+        b.set(_FutureHolder(f))
+        with pytest.raises(mf.DeadlockError, match="returned its own future"):
+            f.result(timeout=30)
+        return b.set(None).result(timeout=30)
+
+    assert run(main) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", [1, 2])
+def test_methods_that_return_each_others_futures_fail_without_spinning(run, second):
+    # on one context the aliases are followed in a loop; across two, the
+    # request would be passed back and forth for ever
+    def main():
+        a, b = _Returns.create(on=1), _Returns.create(on=second)
+        fa, fb = a.ret(), b.ret()
+        a.set(_FutureHolder(fb))
+        b.set(_FutureHolder(fa))
+        for f in (fa, fb):
+            with pytest.raises(mf.DeadlockError, match="resolves to it again"):
+                f.result(timeout=30)
+        # (before, the second wait timed out, or the contexts passed the
+        # request back and forth, tens of thousands of times a second)
+        return a.set(None).result(timeout=30), b.set(None).result(timeout=30)
+
+    assert run(main) == (None, None)

@@ -1203,6 +1203,12 @@ class Engine:
         if ok and type(value) is Future:
             if value._state == FINISHED:
                 ok, value = (value._exc is None), (value._value if value._exc is None else value._exc)
+            elif value._fid == fid:
+                # its value would be itself: every request for it would be
+                # passed on to itself for ever
+                ok, value = False, errors.DeadlockError(
+                    f"{self._call_label(call)} returned its own future: its value would be "
+                    f"itself, which nothing can ever produce")
             else:
                 if call.route & EAGER:
                     slot.subs.append((fid[0], (fid, None)))
@@ -1294,6 +1300,13 @@ class Engine:
         elif home in self.lost and home not in self.heirs:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
+            if (dest, label) in slot.subs:
+                # this request came round to this future again: methods on
+                # two contexts or more returned each other's futures
+                self.send_error(dest, label, errors.DeadlockError(
+                    f"the future {to_fid[0]}.{to_fid[1]} resolves to a future that "
+                    f"resolves to it again: methods returned each other's futures"))
+                return
             # remembered: if home is lost before it answers, the requester is told
             slot.subs.append((dest, label))
             self.send_forward(home, to_fid, dest, label)
@@ -1302,6 +1315,7 @@ class Engine:
         # A loop, not recursion: a chain of aliases (a method returning a call
         # that returns a call ...) may be as long as the computation is deep.
         slots = self.slots
+        seen = None  # the aliases followed here, once there are several
         while True:
             slot = slots.get(fid)
             if slot is None:
@@ -1322,6 +1336,16 @@ class Engine:
                 self._maybe_drop(fid, slot)
                 return
             self._maybe_drop(fid, slot)
+            if seen is None:
+                seen = set()
+            seen.add(fid)
+            if to_fid in seen:
+                # futures returned by methods that resolve to one another:
+                # no value can ever come, and following them would never end
+                self.send_error(dest, label, errors.DeadlockError(
+                    f"the future {to_fid[0]}.{to_fid[1]} resolves to a future that "
+                    f"resolves to it again: methods returned each other's futures"))
+                return
             fid = to_fid
 
     def _maybe_drop(self, fid, slot: Slot) -> None:
