@@ -188,6 +188,30 @@ def test_cli_run_bad_arguments_are_usage_errors(tmp_path, argv, complaint):
     assert "Traceback" not in out.stderr and out.stdout == ""
 
 
+ARGV_AT_TOP = """
+import argparse
+import macroflow as mf
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--n", type=int, default=3)
+args = ap.parse_args()  # at the top level, as the script's own arguments
+
+
+def main():
+    return args.n * mf.num_contexts()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cli_run_gives_the_script_its_arguments_while_its_top_level_runs(tmp_path):
+    script = tmp_path / "argv_top.py"
+    script.write_text(ARGV_AT_TOP)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", str(script),
+                          "--n", "5"], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "10"
+
+
 def test_cli_run_bad_spin_environment_is_a_usage_error(tmp_path):
     script = _script(tmp_path, MAIN_CLASSES)
     out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", script],

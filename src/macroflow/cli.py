@@ -83,11 +83,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             traceback.print_exc(limit=0)
             return 1
         return _run_under_mpiexec(args)
+    # the script's own arguments, already while its top level runs (an
+    # argparse parser there, as `python script.py --n 5` would see them)
+    sys.argv = [args.script, *args.args]
     mod = _load_script(args.script)
     main = getattr(mod, args.main, None)
     if not callable(main):
         raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
-    sys.argv = [args.script, *args.args]
     try:
         if args.spmd:
             if args.placement:
