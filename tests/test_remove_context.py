@@ -92,13 +92,25 @@ def test_new_work_goes_elsewhere(run):
         mf.remove_context(1)
         regular = {Where().here().result() for _ in range(12)}
         persistent = {mf.info(Square.create()).context for _ in range(6)}
-        with pytest.raises(mf.ContextLost, match="removed by mf.remove_context"):
-            Where.create(on=1).here().result()
         return regular, persistent, sorted(mf.stats())
 
     regular, persistent, stats = run(main, contexts=3)
     assert 1 not in regular and 1 not in persistent
     assert stats == [0, 2]
+
+
+def test_new_objects_are_not_placed_on_it_by_name(run):
+    # before, the handle came back and its first call failed with
+    # ObjectDestroyed, for an object that never was
+    def main():
+        mf.remove_context(1)
+        with pytest.raises(ValueError, match=r"on=1: context 1 was removed"):
+            Square.create(on=1)
+        with pytest.raises(ValueError, match=r"on=1: context 1 was removed"):
+            Where.create(on=1)
+        return Square.create(on=2).of(3).result(30)
+
+    assert run(main) == 9
 
 
 def test_its_process_ends(run, transport):

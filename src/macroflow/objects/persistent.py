@@ -44,6 +44,12 @@ def _check_on(eng: Any, on: Any) -> int:
     on = cid
     if not 0 <= on < eng.size:
         raise ValueError(f"on={on}: there are {eng.size} contexts (0..{eng.size - 1})")
+    if on in eng.heirs or on in eng.retiring:
+        # (a context that died is not refused here: calls to it fail with
+        # ContextLost, as every call sent to it later does)
+        how = "was removed" if on in eng.heirs else "is being removed"
+        raise ValueError(f"on={on}: context {on} {how} (mf.remove_context); it takes "
+                         f"no new objects: place this one on another context")
     return on
 
 
