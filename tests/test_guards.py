@@ -54,6 +54,8 @@ def test_guard_that_raises_at_once_fails_its_call(run):
         cause = info.value.__cause__
         assert isinstance(cause, mf.RemoteTraceback)
         assert "is_open" in cause.text  # the predicate's traceback
+        if hasattr(info.value, "add_note"):  # (3.11 on) and what raised it
+            assert info.value.__notes__ == ["raised by the guard of Door.enter()"]
         door.set_mode("open")
         return door.enter().result(), door.count().result()
 
@@ -175,3 +177,25 @@ def test_guards_on_persistent_methods_of_every_kind_are_accepted():
 
     assert mf.run(lambda: mf.gather([Fine.create().m(), Fine.create().s()]),
                   contexts=2, transport="inproc") == ["m", "s"]
+
+
+@mf.persistent
+class _Queue:
+    def __init__(self):
+        self.items = [1]
+
+    @mf.guard(lambda self, n: len(self.items) >= n)  # takes an argument pop() does not
+    def pop(self):
+        return self.items.pop()
+
+
+def test_a_guard_with_the_wrong_parameters_names_itself(run):
+    def main():
+        with pytest.raises(TypeError) as info:
+            _Queue.create(on=1).pop().result(30)
+        return info.value
+
+    err = run(main, contexts=2)
+    assert "missing 1 required positional argument: 'n'" in str(err)
+    if hasattr(err, "add_note"):
+        assert err.__notes__ == ["raised by the guard of _Queue.pop()"]

@@ -228,6 +228,27 @@ def test_a_request_for_a_pointer_that_names_nothing_is_reported_not_run(run, cap
     assert "was not run: nothing is there" in capfd.readouterr().err
 
 
+def _missing_key(box, key):
+    return box[key]
+
+
+@pytest.mark.timeout(60)
+def test_a_handler_that_raises_is_reported_with_where_and_which(run, capfd, transport):
+    def main():
+        g = mf.export({})
+        mf.rsr(g, _missing_key, "x")  # inline, on this very context
+        mf.rsr(g, _missing_key, "y", thread="new")
+        stats = mf.stats()[0]
+        return stats["rsr_executed"]
+
+    assert run(main, contexts=2) == 2
+    err = capfd.readouterr().err
+    head = (f"macroflow: context 0: remote service request handler "
+            f"{__name__}._missing_key raised:")
+    assert err.count(head) == 2, err
+    assert err.count("KeyError: 'x'") == 1 and err.count("KeyError: 'y'") == 1
+
+
 def _echo_back(target, data, home, thread):
     mf.rsr(home, _land, data, mf.context_id(), thread=thread)
 

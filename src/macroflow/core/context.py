@@ -1535,7 +1535,7 @@ class Engine:
             if type(r) is CoroutineType:  # an async def handler: run it, as a method is
                 run_coroutine(r)
         except Exception:
-            traceback.print_exc()
+            self._rsr_raised(handler)
         self.stats.rsr_executed += 1
         model = self.pointer_kinds.get(gid[0])
         if model is not None and model.notes_served:
@@ -1571,10 +1571,19 @@ class Engine:
             if type(r) is CoroutineType:  # run to its end: one that awaits a pending future fails
                 run_coroutine(r)
         except Exception:
-            traceback.print_exc()
+            self._rsr_raised(handler)
         finally:
             self.in_inline = inline
         self.stats.rsr_executed += 1
+
+    def _rsr_raised(self, handler) -> None:
+        # nobody waits for a request: its exception is reported here, saying
+        # where and which handler (a handler sent by value has no file name)
+        name = getattr(handler, "__qualname__", repr(handler))
+        module = getattr(handler, "__module__", None)
+        print(f"macroflow: context {self.id}: remote service request handler "
+              f"{module + '.' if module else ''}{name} raised:", file=sys.stderr)
+        traceback.print_exc()
 
     def _rsr_dropped(self, gid, handler,
                      why: str = "nothing is there (unexported, or its object destroyed)") -> None:

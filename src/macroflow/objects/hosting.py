@@ -289,6 +289,8 @@ class ObjectHost(Model):
                 except INTERRUPTS:
                     raise
                 except BaseException as e:  # a failing guard fails its call
+                    if hasattr(e, "add_note"):  # (3.11 on) its message may not say it was the guard
+                        e.add_note(f"raised by the guard of {obj.label}.{call.method}()")
                     del gready[i]
                     obj.queued -= 1
                     eng._finish(call, False, e)
