@@ -298,6 +298,54 @@ def test_releases_and_now_requests_are_served_while_busy(gate):
     assert after <= before - 200
 
 
+@mf.persistent
+class Maker:
+    def make(self, mb):
+        return np.ones(mb << 20, dtype=np.uint8)
+
+
+@mf.persistent
+class DropsThenComputes:
+    def run(self, maker, gate):
+        arrays = [maker.make(32) for _ in range(4)]
+        assert sum(int(a.result()[0]) for a in arrays) == 4
+        del arrays  # their values are freed at the maker while this computes
+        gc.collect()
+        return Busy.compute(self, "python", gate)
+
+
+def _rss_mb(pid):
+    import psutil
+    return psutil.Process(pid).memory_info().rss >> 20
+
+
+@pytest.mark.timeout(60)
+def test_large_values_dropped_by_a_busy_method_are_freed_while_it_computes(gate):
+    # before, their release waited in the method's context until the method
+    # ended: the maker held 128 MB for as long as the method computed
+    r, open_gate = gate
+
+    def main():
+        maker = Maker.create(on=2)
+        pid = mf.contexts()[2].pid
+        busy = DropsThenComputes.create(on=1).run(maker, r)
+        deadline = time.monotonic() + 30
+        peak = _rss_mb(pid)
+        while time.monotonic() < deadline:
+            now = _rss_mb(pid)
+            peak = max(peak, now)
+            if peak - now >= 96:
+                break
+            time.sleep(0.01)  # (a look at the maker's memory, not a wait on macroflow)
+        freed = peak - now >= 96
+        open_gate()
+        return freed, peak, busy.result(timeout=30)
+
+    freed, peak, ended = mf.run(main, contexts=3, transport="local")
+    assert ended == "ended" and peak >= 128
+    assert freed
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mechanism,kind", [("signal", "python"), ("poll", "poll")])
 def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(

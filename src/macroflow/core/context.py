@@ -1711,6 +1711,11 @@ class Engine:
                     inbox.append(entry)
             self._scanned = inbox[-1] if inbox else None
             self.served_busy += served
+            if self.n_releases >= RELEASE_BATCH:
+                # futures of large values dropped while user code runs (or a
+                # full batch): their homes free them now, not when the code
+                # next waits, which may be long after
+                self.flush_releases()
             if self.transport is not None:
                 # also what the engine queued before the method started: its
                 # batch ends when the method does
