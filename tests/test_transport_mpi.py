@@ -991,3 +991,32 @@ def test_an_spmd_run_whose_spawned_rank_dies_raises_at_once(tmp_path):
     assert ctx == "1" and float(took) < 10, p.stdout
     assert re.search(f"its process \\(pid \\d+\\) (exited with code 4|{UNREAD})", text), text
     assert not _job_files() - before
+
+
+class _Comm:
+    """A communicator whose Disconnect ends at once, or never."""
+
+    def __init__(self, stuck):
+        self.stuck = stuck
+        self.calls = 0
+
+    def Disconnect(self):
+        self.calls += 1
+        if self.stuck:
+            import threading
+            threading.Event().wait()
+
+
+def test_a_disconnection_that_never_ends_is_given_up(capfd):
+    # a spawned rank that died before its death was heard of held the
+    # closing rank in MPI_Comm_disconnect for good (a hang of the suite)
+    ended = []
+    done = _Comm(stuck=False)
+    assert M.disconnect(done, 3, wait=5, stuck=lambda: ended.append(True)) is True
+    assert done.calls == 1 and ended == []
+    t0 = time.monotonic()
+    assert M.disconnect(_Comm(stuck=True), 3, wait=0.2, stuck=lambda: ended.append(True)) is False
+    assert time.monotonic() - t0 < 5
+    assert ended == [True]
+    assert "context 3: disconnecting from spawned ranks did not end within 0.2 s" in \
+        capfd.readouterr().err

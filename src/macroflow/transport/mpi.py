@@ -566,6 +566,43 @@ _broken: Optional[str] = None
 _exit_code: List[Any] = []  # what sys.exit was called with, once MPI here is broken
 
 
+DISCONNECT_WAIT = 10.0  # seconds a disconnection from spawned ranks may take
+
+
+def disconnect(comm: Any, ctx: int, wait: Optional[float] = None,
+               stuck: Optional[Callable[[], None]] = None) -> bool:
+    """Disconnect ``comm``; False if that did not end within ``wait`` seconds
+    (:data:`DISCONNECT_WAIT`). A disconnection waits for every process of the
+    communicator, and one that died before its death was heard of would hold
+    it for ever (a test run hung so, in ``MPI_Comm_disconnect``, for more than
+    6 minutes). Then this process goes on, and ends without ``MPI_Finalize``,
+    which would wait as long (``stuck``, by default, arranges that); the
+    disconnection is left to a daemon thread.
+
+    Example:
+        >>> class Stuck:
+        ...     def Disconnect(self): threading.Event().wait()
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stderr(io.StringIO()) as err:
+        ...     disconnect(Stuck(), 0, wait=0.05, stuck=lambda: None)
+        False
+        >>> "did not end within 0.05 s" in err.getvalue()
+        True
+    """
+    wait = DISCONNECT_WAIT if wait is None else wait
+    t = threading.Thread(target=comm.Disconnect, daemon=True,
+                         name=f"macroflow-mpi-disconnect-{ctx}")
+    t.start()
+    t.join(wait)
+    if not t.is_alive():
+        return True
+    print(f"macroflow: context {ctx}: disconnecting from spawned ranks did not end within "
+          f"{wait:g} s (one may have died unheard of); this process ends without "
+          f"MPI_Finalize", file=sys.stderr)
+    (stuck or _end_without_finalize)()
+    return False
+
+
 def _end_without_finalize() -> None:
     """Once a spawned rank has died, MPICH's process manager has ended (it
     ends the spawned job), and MPI_Finalize at this process's exit would
@@ -1989,8 +2026,8 @@ class MpiTransport(Transport):
                     # (a disconnection waits for every process of the
                     # communicator: with one dead, forever)
                     c.Free()
-                else:
-                    c.Disconnect()
+                elif not disconnect(c, self.ctx):
+                    self.broken = True  # the others would wait as long
             except Exception:
                 pass
 
