@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -375,3 +376,53 @@ def test_a_worker_whose_computation_dies_says_so_and_exits_non_zero():
         main.communicate()
     assert code == 1, err
     assert "context 1: the computation's context 0 was lost" in err
+
+
+@mf.persistent
+class Computes:
+    def until_killed(self, path):
+        open(path, "w").close()  # it has started
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline:  # pure Python, for longer than the test
+            sum(range(1000))
+
+
+BUSY_LISTENER = """
+import os, sys, time
+import macroflow as mf
+from test_join import Computes
+with mf.init(contexts=1, listen="127.0.0.1:0") as s:
+    print(s.launcher.address, flush=True)
+    mf.wait_contexts(2, timeout=60)
+    f = Computes.create(on=1).until_killed(sys.argv[1])
+    while not os.path.exists(sys.argv[1]):
+        mf.poll()
+    print("computing", flush=True)
+    f.result()
+"""
+
+
+def test_a_worker_computing_when_its_computation_dies_leaves_at_once(tmp_path):
+    # before, it left only when its method ended
+    env = {**os.environ, "MACROFLOW_SECRET": SECRET,
+           "PYTHONPATH": os.pathsep.join([HERE, *sys.path])}
+    started = str(tmp_path / "started")
+    main = subprocess.Popen([sys.executable, "-c", BUSY_LISTENER, started], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        address = main.stdout.readline().strip()
+        worker = start_worker(address)
+        assert main.stdout.readline().strip() == "computing"
+        main.kill()
+        main.wait(30)
+        t0 = time.monotonic()
+        code, err = finish(worker, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if main.poll() is None:
+            main.kill()
+        main.communicate()
+    assert code == 1, err
+    assert "context 1: the computation's context 0 was lost (connection closed (tcp)) " \
+           "while a method computed here; leaving" in err
+    assert took < 30  # the method would have computed for 100 s

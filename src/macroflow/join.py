@@ -34,6 +34,7 @@ contexts (``ContextLost``), and the computation goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -450,6 +451,20 @@ def _ended_while_computing(src: int, payload: Any) -> None:  # pragma: no cover 
         os._exit(0)
 
 
+def _main_lost_while_busy(ctx: int, out: Any, how: str) -> None:  # pragma: no cover - ends the process
+    """Context 0 was lost (killed, say) while a method computed here: leave
+    now, as the contexts context 0 forked do, not when the method ends."""
+    try:
+        # one write: the worker's other contexts may be saying the same
+        out.write(f"macroflow worker: context {ctx}: the computation's context 0 was lost "
+                  f"({how}) while a method computed here; leaving\n")
+        out.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(_LOST_MAIN)
+
+
 def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[str, Any],
                  secret: str, tls: Tuple[Any, Any], out: Any) -> int:
     from .transport.tcp import TcpTransport
@@ -485,6 +500,7 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                 eng = Engine(ctx, welcome["size"], multi, welcome["placement"].copy(),
                              computation=computation)
                 eng.describe_lost = lambda peer: ""
+                eng.main_lost_while_busy = functools.partial(_main_lost_while_busy, ctx, out)
                 _ctx._state.default = eng
                 if _launch.joined(eng, lambda: None):
                     eng.serve_forever()

@@ -304,6 +304,10 @@ class Engine:
         self.stats = Counters()
         self.driver: Any = self  # inproc replaces this with its world
         self.describe_lost: Callable[[int], str] = lambda peer: "connection closed"
+        # called when context 0 is lost while one of this context's methods
+        # computes (heard by the service mechanism): a process that nothing
+        # else ends with context 0 (a joined worker's) ends itself there
+        self.main_lost_while_busy: Optional[Callable[[str], None]] = None
         # the programming models' parts of this engine (see register_model):
         # the kinds of CALL each serves, and the global pointer kinds it resolves
         self.call_kinds: Dict[str, CallKind] = {SYSTEM: SystemCalls(self)}
@@ -1863,6 +1867,8 @@ class Engine:
         if peer == 0 and self.id != 0:
             # The main program is gone: nothing is left to serve.
             self.stopping = True
+            if self.user and self.main_lost_while_busy is not None:
+                self.main_lost_while_busy(how)  # the method would hold us until it ends
             return
         # The transport may say so from inside a send, in the middle of handling
         # a message or in a method's thread: failing futures and running calls
