@@ -70,8 +70,9 @@ writer that sees the flag clears it and wakes the reader (see
 :class:`Waker`). A writer whose ring is full takes what comes for it while
 it waits, as for MPI's window. A peer's goodbye comes by MPI after what its
 ring holds, which is delivered first; its rings are unmapped at the next
-poll. Everything is in memfds: nothing is left in ``/dev/shm``, whatever
-ends a rank.
+poll. The rings are in memfds: nothing of them is left in ``/dev/shm``,
+whatever ends a rank (a rank's wake-up page, see :class:`Waker`, is a file
+there: one left by a killed rank is removed by the next job on the host).
 
 Lost peers. A rank that leaves in order (its computation ended, or its
 engine failed) says goodbye, and its peers report it lost. MPI cannot report
