@@ -1136,10 +1136,33 @@ def test_a_context_that_catches_its_collectives_failure_and_returns_fails_the_ot
     assert res[1].startswith("mf.barrier(): context 1 cannot use the run's barrier counters")
     for r in (0, 2):  # told at once, not after the run's timeout: by context 1's end, or
         # by the other's (which caught what context 1 told it), whichever came first
-        assert (res[r].startswith("context 1 failed in its SPMD function (CollectiveError "
-                                  "(caught): mf.barrier(): context 1 cannot use")
+        assert (res[r].startswith("context 1 ended its SPMD function after a collective failed "
+                                  "there, an error it caught (CollectiveError: mf.barrier(): "
+                                  "context 1 cannot use")
                 or f"context {2 - r} ended its SPMD function after 1 collective(s)" in res[r]
                 ), res[r]
+
+
+def both_catch_a_mismatch():
+    try:
+        if mf.rank() == 0:
+            mf.allreduce(1.0)
+        else:
+            mf.broadcast(2)
+    except mf.CollectiveError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_a_mismatch_both_contexts_catch_is_not_called_a_timeout(transport):
+    # whichever context saw the mismatch first, the other's message names
+    # it as such (it said "timed out", and "failed", of a context that caught it)
+    for _ in range(3):
+        res = mf.spmd(both_catch_a_mismatch, n=2, transport=transport)
+        for r, text in enumerate(res):
+            assert "timed out" not in text and "failed in its SPMD function" not in text, text
+            assert (f"context {r} called mf.{'allreduce()' if r == 0 else 'broadcast('}" in text
+                    or "did not match another context's" in text), text
 
 
 def bcast_against_reduce():

@@ -391,9 +391,11 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
             f"cannot complete: this context's function ends here", missing=[rank])
     if failure is not None and run.failed is None:
         run.told = True
+        what = (f"ended its SPMD function after a collective failed there, an error it caught "
+                f"({failure.replace(CAUGHT, ': ', 1)})" if CAUGHT in failure
+                else f"failed in its SPMD function ({failure})")
         run.failed = errors.CollectiveError(
-            f"context {rank} failed in its SPMD function ({failure}), so the run's "
-            f"collectives cannot complete", missing=[rank])
+            f"context {rank} {what}, so the run's collectives cannot complete", missing=[rank])
         for c in list(run.colls.values()):
             c.fail(run.failed)
         return
@@ -508,7 +510,7 @@ def _wait(c: Collective, timeout: Optional[float]) -> Any:
             raise _timed_out(c, timeout)  # type: ignore[arg-type]
         err = _mismatch(c)
         if err is not None:
-            engine_side(c.model.eng, _give_up, c, err)
+            engine_side(c.model.eng, _give_up, c, err, "did not match another context's")
             raise err
         check *= 2
 
@@ -590,11 +592,11 @@ def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
     return err
 
 
-def _give_up(c: Collective, err: BaseException) -> None:
+def _give_up(c: Collective, err: BaseException, how: str = "timed out") -> None:
     c.fail(err)
     if c.run.failed is None:  # later collectives would be out of step
         c.run.failed = errors.CollectiveError(
-            f"an earlier collective of the run (#{c.seq + 1}, {c.name}) timed out on context "
+            f"an earlier collective of the run (#{c.seq + 1}, {c.name}) {how} on context "
             f"{c.run.rank}; the run's collectives are out of step", missing=err.missing)
 
 
