@@ -657,3 +657,23 @@ def test_macroflow_run_shows_a_scripts_error_from_the_scripts_own_code(tmp_path)
     assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
     assert "ValueError: from the script" in r.stderr and "in helper" in r.stderr
     assert "cli.py" not in r.stderr and "launch.py" not in r.stderr, r.stderr
+
+
+def test_run_refuses_a_main_that_cannot_take_its_arguments_before_starting(monkeypatch):
+    from macroflow import launch
+    started = []
+    monkeypatch.setattr(launch, "init", lambda *a, **k: started.append(1))
+
+    def main(n=1):
+        return n
+
+    with pytest.raises(TypeError, match=r"mf\.run\(\): main\(n=1\) cannot be called with "
+                                        r"context=4 .*; did you mean contexts=\?"):
+        mf.run(main, context=4)
+    with pytest.raises(TypeError, match=r"cannot be called with 1, 2 \(too many positional"):
+        mf.run(main, 1, 2)
+    with pytest.raises(TypeError, match=r"main must be callable \(a function\); got NoneType"):
+        mf.run(None)
+    assert started == []  # refused before any context started
+    monkeypatch.undo()
+    assert mf.run(main, 5, contexts=1, transport="inproc") == 5

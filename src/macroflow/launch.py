@@ -1179,6 +1179,7 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         41
     """
     from .core.future import Future
+    _check_main(main, args, kwargs)
     session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us,
                    listen=listen, secret=secret, tls=tls)
     session.in_run = True
@@ -1194,6 +1195,45 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         print(f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped",
               file=sys.stderr)
         raise
+
+
+_RUN_OPTIONS = ("contexts", "transport", "placement", "spin_us", "listen", "secret", "tls")
+
+
+def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Refuse a main that is not callable, or that cannot take the arguments
+    given, before any context starts (a misspelt option, ``context=4``, is
+    one of those arguments).
+
+    Example:
+        >>> def main(n): return n
+        >>> _check_main(main, (), {"context": 4})
+        Traceback (most recent call last):
+        ...
+        TypeError: mf.run(): main(n) cannot be called with context=4 (missing a required argument: 'n'); did you mean contexts=?
+    """
+    import difflib
+    import inspect
+    if not callable(main):
+        raise TypeError(f"mf.run(): main must be callable (a function); got "
+                        f"{type(main).__name__}")
+    try:
+        sig = inspect.signature(main)
+    except (TypeError, ValueError):
+        return  # (a callable with no signature to read: the call itself will say)
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        given = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+        hint = ""
+        for k in kwargs:
+            close = difflib.get_close_matches(k, _RUN_OPTIONS, n=1)
+            if close:
+                hint = f"; did you mean {close[0]}=?"
+                break
+        name = getattr(main, "__name__", "main")
+        raise TypeError(f"mf.run(): {name}{sig} cannot be called with "
+                        f"{', '.join(given) or 'no arguments'} ({e}){hint}") from None
 
 
 _under_mpiexec()
