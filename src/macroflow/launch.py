@@ -777,6 +777,7 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
     ``removed``.
 
     Raises:
+        TypeError: ``cid`` is not an int (or a numpy integer).
         ValueError: ``cid`` is not the id of a running context other than 0,
             or the transport cannot remove contexts.
         RuntimeError: called inside a method, or not on context 0.
@@ -805,7 +806,8 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
     from .core import errors
     c = _ctx.as_int(cid)  # an int, or a numpy integer
     if c is None:
-        raise ValueError(f"remove_context: cid must be a context id (an int); got {cid!r}")
+        # (a TypeError, as on= gives for an id that is not an int)
+        raise TypeError(f"remove_context: cid must be a context id (an int); got {cid!r}")
     cid = c
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"remove_context: timeout must be a positive number of seconds; "
