@@ -592,6 +592,12 @@ def test_gather_and_wait(run):
     assert run(main) == ([i * i for i in range(10)] + [99], 10, [])
 
 
+def test_gather_and_wait_of_no_futures_need_no_computation():
+    # (gather([]) raised "macroflow is not running" where wait([]) returned)
+    assert mf.wait([]) == ([], [])
+    assert mf.gather([]) == [] and mf.gather((1, "a")) == [1, "a"]
+
+
 @pytest.mark.parametrize("given, complaint", [
     ({"a": 1}, r"mf\.{who}\(\) takes an iterable of futures, not a dict .*pass d\.values\(\)"),
     (None, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got NoneType"),

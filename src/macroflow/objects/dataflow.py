@@ -123,7 +123,10 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
     """
     deadline = _deadline(timeout)
     items = _items(futures, "gather")
-    eng = _engine_for([f for f in items if isinstance(f, Future)])
+    fs = [f for f in items if isinstance(f, Future)]
+    if not fs:  # nothing to wait for (as mf.wait([]) does): no computation needed
+        return list(items)
+    eng = _engine_for(fs)
     for f in items:
         if isinstance(f, Future):
             eng.request_value(f)
