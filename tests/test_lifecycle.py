@@ -677,3 +677,16 @@ def test_run_refuses_a_main_that_cannot_take_its_arguments_before_starting(monke
     assert started == []  # refused before any context started
     monkeypatch.undo()
     assert mf.run(main, 5, contexts=1, transport="inproc") == 5
+
+
+def test_init_inside_run_says_to_use_the_running_computation():
+    # it said "shut it down first (mf.shutdown())", which is refused there
+    def main():
+        with pytest.raises(RuntimeError, match=r"this is the main function of mf\.run\(\)"):
+            mf.init(contexts=1, transport="inproc")
+        return "ok"
+
+    assert mf.run(main, contexts=1, transport="inproc") == "ok"
+    with mf.init(contexts=1, transport="inproc"):
+        with pytest.raises(RuntimeError, match=r"shut it down first \(mf\.shutdown\(\)\)"):
+            mf.init(contexts=1, transport="inproc")

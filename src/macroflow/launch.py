@@ -1059,6 +1059,10 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got 'fast'
     """
     if _ctx._state.default is not None:
+        if any(s.in_run for s in _sessions):  # (where mf.shutdown() is refused)
+            raise RuntimeError("a macroflow computation is already running in this process: "
+                               "this is the main function of mf.run(), which runs in it; use "
+                               "it, or start the other computation after mf.run returns")
         raise RuntimeError("a macroflow computation is already running in this process; "
                            "shut it down first (mf.shutdown())")
     if contexts is not None:
