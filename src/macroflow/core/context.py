@@ -1145,7 +1145,7 @@ class Engine:
         return tuple(_subst(a, call, self) for a in args)
 
     # ------------------------------------------------------------------ results
-    def _pickle_value(self, ok: bool, value: Any):
+    def _pickle_value(self, ok: bool, value: Any, call: Optional[Call] = None):
         if ok and type(value) in _PLAIN:
             return True, _pdumps(value, 5), []  # the commonest: the C pickler's
         if ok:
@@ -1153,8 +1153,10 @@ class Engine:
                 data, bufs = _encode(value)
                 return True, data, bufs
             except Exception as e:  # a __reduce__ may raise anything
+                whose = f"the result of {self._call_label(call)}" if call is not None \
+                    else "the result"
                 value = errors.CallError(
-                    f"the result ({type(value).__name__}) could not be pickled: {e}")
+                    f"{whose} ({type(value).__name__}) could not be pickled: {e}")
         value = _portable_exception(value, self.id)
         try:
             data, bufs = _encode(value)
@@ -1255,7 +1257,7 @@ class Engine:
                     st.values_sent += 1
                     self.send_value(dest, label, True, data, [])
             return
-        ok, data, bufs = self._pickle_value(ok, value)
+        ok, data, bufs = self._pickle_value(ok, value, call)
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
