@@ -1306,9 +1306,12 @@ class Engine:
         elif home in self.lost and home not in self.heirs:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
-            if (dest, label) in slot.subs:
+            subs = slot.subs
+            if subs and (dest, label) in (subs if len(subs) <= 64 else subs[-64:]):
                 # this request came round to this future again: methods on
-                # two contexts or more returned each other's futures
+                # two contexts or more returned each other's futures (the
+                # look is bounded: a future many consumers asked for through
+                # an alias would make it quadratic)
                 self.send_error(dest, label, errors.DeadlockError(
                     f"the future {to_fid[0]}.{to_fid[1]} resolves to a future that "
                     f"resolves to it again: methods returned each other's futures"))
