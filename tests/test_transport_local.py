@@ -328,48 +328,6 @@ def test_read_buffer_grows_for_a_frame_that_needs_it_and_the_connection_goes_on(
     assert local._RBUF_MIN < len(tb.links[0][0].rbuf) <= local._RBUF
 
 
-def test_a_read_takes_little_of_a_large_buffer_into_the_read_buffer(monkeypatch):
-    # The start of a large buffer that a read brings along lands in the
-    # connection's read buffer and is copied into the buffer the rest is
-    # received into: a read takes at most _RECV_MAX, even after the read
-    # buffer has grown for medium frames, so that copy stays short.
-    ta, tb, _, got_b = _pair()
-    started = []
-    recv_rest = LocalTransport._recv_rest
-
-    def spy(self, c):
-        if not started or started[-1][1] is not c.big:
-            started.append((c.bigpos, c.big))
-        return recv_rest(self, c)
-
-    monkeypatch.setattr(LocalTransport, "_recv_rest", spy)
-    medium = [b"m", os.urandom(100_000)]  # grows tb's read buffer to its most
-    large = [b"L", os.urandom(1_000_000)]
-    done = threading.Event()
-
-    def send():
-        for parts in (medium, large, medium, large):
-            ta.send(1, parts, 0)
-        done.set()
-
-    th = threading.Thread(target=send)
-    th.start()
-    try:
-        while len(got_b) < 4:
-            tb.poll(0.2)
-        th.join(30)
-        assert done.is_set()
-        assert [bytes(b[1][-1]) for b in got_b] == [medium[1], large[1], medium[1], large[1]]
-        assert len(tb.conns[0].rbuf) > local._RECV_MAX  # it grew for the medium frames
-        assert len(started) == 2
-        assert all(0 <= first <= local._RECV_MAX for first, _ in started)
-    finally:
-        done.set()
-        th.join()
-        ta.close()
-        tb.close()
-
-
 @mf.persistent
 class _Echo:
     def echo(self, x):
