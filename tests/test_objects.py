@@ -1360,3 +1360,20 @@ def test_methods_that_return_each_others_futures_fail_without_spinning(run, seco
         return a.set(None).result(timeout=30), b.set(None).result(timeout=30)
 
     assert run(main) == (None, None)
+
+
+def test_code_sent_by_value_keeps_its_file_in_remote_tracebacks(run):
+    # (cloudpickle 3 names the file of code it carries "<dynamic-code>")
+    def main():
+        @mf.regular
+        class Local:
+            def boom(self, f):
+                return f(0)
+
+        with pytest.raises(ZeroDivisionError) as info:
+            Local.create(on=1).boom(lambda x: 1 / x).result(timeout=30)
+        return info.value.__cause__.text
+
+    text = run(main, contexts=2)
+    assert "<dynamic-code>" not in text
+    assert text.count(f'File "{__file__}"') == 2, text  # boom, and the lambda

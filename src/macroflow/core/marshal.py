@@ -125,14 +125,55 @@ def stateless(obj: Any) -> bool:
     return isinstance(obj, type)
 
 
-def _load_by_value(blob: bytes) -> Any:
+def _load_by_value(blob: bytes, filename: Optional[str] = None) -> Any:
     obj = _loaded_cache.get(blob)
     if obj is None:
         obj = pickle.loads(blob)
+        if filename is not None:
+            _refile(obj, filename)
         if len(_loaded_cache) >= _LOADED_MAX:
             del _loaded_cache[next(iter(_loaded_cache))]
         _loaded_cache[blob] = obj
     return obj
+
+
+def _source_file(obj: Any) -> Optional[str]:
+    """The file a function (or a class's first method) sent by value was
+    defined in, to give back to its code at the receiver (cloudpickle 3
+    names it ``<dynamic-code>``, and a remote traceback would show no file)."""
+    if type(obj) is types.FunctionType:
+        return obj.__code__.co_filename
+    for v in vars(obj).values() if isinstance(obj, type) else ():
+        v = getattr(v, "__func__", v)
+        if type(v) is types.FunctionType:
+            return v.__code__.co_filename
+    return None
+
+
+def _refile(obj: Any, filename: str) -> None:
+    """Give ``filename`` back to the code of a function loaded by value, or
+    of the methods of a class loaded by value (see :func:`_source_file`).
+
+    Example:
+        >>> def f(): return 1
+        >>> g = types.FunctionType(f.__code__.replace(co_filename="<dynamic-code>"), {})
+        >>> _refile(g, "/src/job.py"); g.__code__.co_filename
+        '/src/job.py'
+    """
+    def fix(code: types.CodeType) -> types.CodeType:
+        if code.co_filename != "<dynamic-code>":
+            return code
+        consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+        return code.replace(co_filename=filename, co_consts=consts)
+
+    fns = [obj] if type(obj) is types.FunctionType else \
+        [getattr(v, "__func__", v) for v in vars(obj).values()] if isinstance(obj, type) else []
+    for fn in fns:
+        if type(fn) is types.FunctionType:
+            try:
+                fn.__code__ = fix(fn.__code__)
+            except (TypeError, ValueError):
+                pass  # (a code object it will not take: keep the one it has)
 
 
 def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:
@@ -238,7 +279,8 @@ class _Pickler(pickle.Pickler):
                         _by_value_cache[obj] = blob
                     except TypeError:
                         pass
-                return _load_by_value, (blob,)
+                filename = _source_file(obj)
+                return (_load_by_value, (blob,) if filename is None else (blob, filename))
         return NotImplemented
 
 
