@@ -1,5 +1,6 @@
 """Mentat parallel objects: calls, futures, guards, rtf, placement and errors, on every transport."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -1377,3 +1378,93 @@ def test_code_sent_by_value_keeps_its_file_in_remote_tracebacks(run):
     text = run(main, contexts=2)
     assert "<dynamic-code>" not in text
     assert text.count(f'File "{__file__}"') == 2, text  # boom, and the lambda
+
+
+@mf.regular
+class _BigBytes:
+    def get(self, n):
+        return b"x" * n
+
+
+@pytest.mark.timeout(120)
+def test_transferred_calls_with_large_values_asked_again_are_not_taken_for_cycles(transport):
+    # the caller asks the first home once more after READY: the same
+    # request, through the same alias, and no cycle
+    def main():
+        h = _BigBytes()
+        return [len(h.get(200_000).result(timeout=60)) for _ in range(20)]
+
+    placement = mf.Placement("round-robin", threshold=0, transfer_limit=2)
+    assert mf.run(main, contexts=3, transport=transport, placement=placement) == [200_000] * 20
+
+
+@mf.persistent
+class _Answers:
+    def n(self):
+        return 42
+
+
+@mf.persistent
+class _Elaborates:
+    def __init__(self, b):
+        self.b = b
+
+    def m(self):
+        return self.b.n()  # its future is an alias of the call's on another context
+
+
+@mf.persistent
+class _Keeps:
+    def __init__(self):
+        self.h = None
+
+    def put(self, h):
+        self.h = h
+
+    def get(self):
+        return self.h
+
+
+@pytest.mark.timeout(60)
+def test_a_future_asked_for_again_through_a_remote_alias_gets_its_value(run):
+    def main():
+        b = _Answers.create(on=2)
+        f = _Elaborates.create(b, on=1).m()
+        box = _Keeps.create(on=2)
+        box.put(_FutureHolder(f)).result()
+        out = []
+        for _ in range(3):
+            g = box.get().result().f  # a Future for f's id, made here again
+            out.append(g.result(timeout=30))
+            del g
+            gc.collect()
+        return out, f.result(timeout=30)
+
+    assert run(main) == ([42, 42, 42], 42)
+
+
+@mf.persistent
+class _Uses:
+    def use(self, x):
+        return x
+
+
+@pytest.mark.timeout(60)
+def test_many_consumers_of_futures_that_resolve_to_each_other_all_fail(run):
+    def main():
+        a, b = _Returns.create(on=1), _Returns.create(on=2)
+        fa, fb = a.ret(), b.ret()
+        a.set(_FutureHolder(fb))
+        b.set(_FutureHolder(fa))
+        u = _Uses.create(on=0)
+        fs = [u.use(fa) for _ in range(100)]
+        kinds = set()
+        for f in fs:
+            try:
+                f.result(timeout=30)
+                kinds.add("value")
+            except mf.DeadlockError:
+                kinds.add("DeadlockError")
+        return kinds
+
+    assert run(main) == {"DeadlockError"}

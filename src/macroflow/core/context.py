@@ -269,7 +269,7 @@ class Engine:
         self.relay_to: Optional[int] = None  # handed over: pass every message on
         self.left: set = set()  # removed contexts that have left (context 0)
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
-        self.releases: Dict[int, List[Any]] = {}
+        self.releases: List[Any] = []  # (home, fid, arcs) of futures dropped here
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
         self.fatal: Dict[int, str] = {}  # peers that reported an internal error before ending
@@ -584,11 +584,14 @@ class Engine:
             arcs.append((label, self._arc_home(f, label, dest)))
         return args, kwargs, tuple(arcs)
 
-    def send_forward(self, home: int, fid: Any, dest: int, label: Any) -> None:
+    def send_forward(self, home: int, fid: Any, dest: int, label: Any,
+                     trail: Any = None) -> None:
         """Ask ``home`` to send the value of ``fid`` to ``dest`` under ``label``
         (a FORWARD: ids only, so the C pickler writes it as the runtime's
-        encoder would)."""
-        self.send_frame(home, [_pdumps((FORWARD, fid, dest, label), 5)])
+        encoder would). ``trail``: where a request passed on along aliases
+        has been (see :meth:`_on_forward`)."""
+        msg = (FORWARD, fid, dest, label) if trail is None else (FORWARD, fid, dest, label, trail)
+        self.send_frame(home, [_pdumps(msg, 5)])
 
     def forward(self, f: Future, dest: int, label: Any) -> None:
         if f._home in self.lost and f._home not in self.heirs:
@@ -631,7 +634,9 @@ class Engine:
     def release(self, f: Future) -> None:
         if f._home in self.lost and f._home not in self.heirs:
             return
-        self.releases.setdefault(f._home, []).append((f._fid, f._arcs))
+        # one append, whole: the service mechanism may flush between any two
+        # bytecodes here (a future dropped by a method that computes)
+        self.releases.append((f._home, f._fid, f._arcs))
         if f._big:
             # the home holds large buffers for it: free them at the next step
             # (not from here: __del__ may run in the middle of anything)
@@ -645,9 +650,18 @@ class Engine:
         # futures (or at once for a large value) keeps a sync call at two messages.
         if self.n_releases < RELEASE_BATCH:
             return
-        rel, self.releases = self.releases, {}
         self.n_releases = 0
-        for home, fids in rel.items():
+        pending = self.releases
+        n = len(pending)
+        rel = pending[:n]
+        del pending[:n]  # (one step each: what is appended meanwhile stays for the next)
+        by_home: Dict[int, List[Any]] = {}
+        for home, fid, arcs in rel:
+            fids = by_home.get(home)
+            if fids is None:
+                fids = by_home[home] = []
+            fids.append((fid, arcs))
+        for home, fids in by_home.items():
             if home == self.id:
                 self._on_release(fids)
             else:
@@ -1300,29 +1314,26 @@ class Engine:
             self._relay(slot, to_fid, home, dest, label)
         self._maybe_drop(fid, slot)
 
-    def _relay(self, slot: Slot, to_fid, home, dest, label) -> None:
+    def _relay(self, slot: Slot, to_fid, home, dest, label, trail: Any = None) -> None:
         if home == self.id:
             self._on_forward(to_fid, dest, label)
         elif home in self.lost and home not in self.heirs:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
-            subs = slot.subs
-            if subs and (dest, label) in (subs if len(subs) <= 64 else subs[-64:]):
-                # this request came round to this future again: methods on
-                # two contexts or more returned each other's futures (the
-                # look is bounded: a future many consumers asked for through
-                # an alias would make it quadratic)
-                self.send_error(dest, label, errors.DeadlockError(
-                    f"the future {to_fid[0]}.{to_fid[1]} resolves to a future that "
-                    f"resolves to it again: methods returned each other's futures"))
-                return
             # remembered: if home is lost before it answers, the requester is told
             slot.subs.append((dest, label))
-            self.send_forward(home, to_fid, dest, label)
+            self.send_forward(home, to_fid, dest, label, trail)
 
-    def _on_forward(self, fid, dest, label) -> None:
+    def _on_forward(self, fid, dest, label, trail: Any = None) -> None:
         # A loop, not recursion: a chain of aliases (a method returning a call
         # that returns a call ...) may be as long as the computation is deep.
+        #
+        # A request passed on to another context carries a trail, (mark,
+        # steps, power), for Brent's cycle finding: a request that comes
+        # back to the alias it left from (futures on several contexts that
+        # resolve to one another) meets its mark within a few rounds of the
+        # cycle, however long the chain before it, in a message of constant
+        # size. Another request for the same future starts its own trail.
         slots = self.slots
         seen = None  # the aliases followed here, once there are several
         while True:
@@ -1341,7 +1352,20 @@ class Engine:
                 return
             to_fid, home = alias
             if home != self.id:
-                self._relay(slot, to_fid, home, dest, label)
+                here = (self.id, fid)
+                if trail is None:
+                    trail = (here, 0, 1)
+                else:
+                    mark, steps, power = trail
+                    if mark == here:
+                        self.send_error(dest, label, errors.DeadlockError(
+                            f"the future {fid[0]}.{fid[1]} resolves to a future that "
+                            f"resolves to it again: methods returned each other's futures"))
+                        self._maybe_drop(fid, slot)
+                        return
+                    steps += 1
+                    trail = (here, 0, 2 * power) if steps == power else (mark, steps, power)
+                self._relay(slot, to_fid, home, dest, label, trail)
                 self._maybe_drop(fid, slot)
                 return
             self._maybe_drop(fid, slot)
@@ -2376,7 +2400,7 @@ class SystemCalls(CallKind):
 
 # the core's own opcodes (CALL and VALUE are handled by the engine's loop)
 def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
-    eng._on_forward(msg[1], msg[2], msg[3])
+    eng._on_forward(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
 
 
 def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
