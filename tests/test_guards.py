@@ -199,3 +199,32 @@ def test_a_guard_with_the_wrong_parameters_names_itself(run):
     assert "missing 1 required positional argument: 'n'" in str(err)
     if hasattr(err, "add_note"):
         assert err.__notes__ == ["raised by the guard of _Queue.pop()"]
+
+
+_NOT_READY = ValueError("not ready")
+
+
+def _raises_the_same(self):
+    raise _NOT_READY  # the same exception object at every look
+
+
+@mf.persistent
+class _SameError:
+    @mf.guard(_raises_the_same)
+    def m(self):
+        return 1
+
+
+def test_a_guard_that_raises_one_exception_object_again_gets_one_note(run):
+    def main():
+        g = _SameError.create(on=1)
+        notes = []
+        for _ in range(3):
+            with pytest.raises(ValueError) as info:
+                g.m().result(30)
+            notes.append(getattr(info.value, "__notes__", None))
+        return notes, getattr(_NOT_READY, "__notes__", None)
+
+    notes, here = run(main, contexts=2)
+    if hasattr(_NOT_READY, "add_note"):
+        assert notes == [["raised by the guard of _SameError.m()"]] * 3

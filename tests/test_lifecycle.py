@@ -690,3 +690,19 @@ def test_init_inside_run_says_to_use_the_running_computation():
     with mf.init(contexts=1, transport="inproc"):
         with pytest.raises(RuntimeError, match=r"shut it down first \(mf\.shutdown\(\)\)"):
             mf.init(contexts=1, transport="inproc")
+
+
+def test_run_takes_a_main_whose_decorator_supplies_its_arguments():
+    import functools
+
+    def with_size(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(2, *args, **kwargs)
+        return wrapper
+
+    @with_size
+    def main(n):
+        return n
+
+    assert mf.run(main, contexts=1, transport="inproc") == 2

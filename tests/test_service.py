@@ -346,6 +346,52 @@ def test_large_values_dropped_by_a_busy_method_are_freed_while_it_computes(gate)
     assert freed
 
 
+@mf.persistent
+class _Sink:
+    def m(self, i):
+        return bytes(1000)
+
+    def nslots(self):
+        return len(core.current_engine().slots)
+
+
+@mf.persistent
+class _Dropper:
+    def __init__(self, sink):
+        self.sink = sink
+
+    def fire(self, n, seconds):
+        for i in range(n):
+            self.sink.m(i)  # its future dropped at once
+        gc.collect()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # computes: its releases leave meanwhile
+            sum(range(1000))
+        return "fired"
+
+
+@pytest.mark.timeout(60)
+def test_a_release_served_before_its_call_is_taken_still_frees_the_value(gate):
+    # context 2 computes, its calls queued behind; the releases of their
+    # futures, served while it computes, came before the calls were taken,
+    # and were dropped: the 100 values stayed on context 2 for good
+    r, open_gate = gate
+
+    def main():
+        sink, busy = _Sink.create(on=2), Busy.create(on=2)
+        before = sink.nslots().result(timeout=30)
+        blocked = busy.compute("python", r)
+        assert _Dropper.create(sink, on=1).fire(100, 0.5).result(timeout=30) == "fired"
+        open_gate()
+        assert blocked.result(timeout=30) == "ended"
+        for _ in range(3):  # anything still in flight has come and gone
+            sink.nslots().result(timeout=30)
+        return before, sink.nslots().result(timeout=30)
+
+    before, after = mf.run(main, contexts=3, transport="local")
+    assert after < before + 20, (before, after)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mechanism,kind", [("signal", "python"), ("poll", "poll")])
 def test_a_now_request_that_opens_a_guard_lets_the_call_run_after_the_method(

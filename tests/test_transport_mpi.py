@@ -1020,3 +1020,21 @@ def test_a_disconnection_that_never_ends_is_given_up(capfd):
     assert ended == [True]
     assert "context 3: disconnecting from spawned ranks did not end within 0.2 s" in \
         capfd.readouterr().err
+
+
+def test_a_process_that_gave_up_a_disconnection_ends_before_mpi_finalize():
+    code = textwrap.dedent("""
+        import threading
+        from macroflow.transport import mpi as m
+
+        class Stuck:
+            def Disconnect(self):
+                threading.Event().wait()
+
+        print(m.disconnect(Stuck(), 0, wait=0.1), flush=True)
+        m._at_exit()  # what Python's exit runs: ends here, without MPI_Finalize
+        print("went on to MPI_Finalize", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["False"], r.stdout + r.stderr
+    assert r.returncode == 0

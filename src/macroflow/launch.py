@@ -1224,7 +1224,8 @@ def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
         raise TypeError(f"mf.run(): main must be callable (a function); got "
                         f"{type(main).__name__}")
     try:
-        sig = inspect.signature(main)
+        # (the wrapper's own: a decorator may supply main's arguments)
+        sig = inspect.signature(main, follow_wrapped=False)
     except (TypeError, ValueError):
         return  # (a callable with no signature to read: the call itself will say)
     try:

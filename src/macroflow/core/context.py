@@ -1396,9 +1396,12 @@ class Engine:
         for fid, arcs in items:
             slot = slots.get(fid)
             if slot is None:
-                if not arcs:
-                    continue
-                slot = slots[fid] = Slot()  # consumers will still ask for it
+                if not arcs and fid[1] <= self.seen.get(fid[0], 0):
+                    continue  # its call was served here, its value dropped already
+                # consumers will still ask for it, or its call is read but not
+                # taken yet (a release served while a method computes passes
+                # the calls queued behind the method): kept for it, released
+                slot = slots[fid] = Slot()
             slot.released = True
             slot.expect = arcs
             if slot.state == FINISHED or slot.alias is not None:

@@ -289,8 +289,9 @@ class ObjectHost(Model):
                 except INTERRUPTS:
                     raise
                 except BaseException as e:  # a failing guard fails its call
-                    if hasattr(e, "add_note"):  # (3.11 on) its message may not say it was the guard
-                        e.add_note(f"raised by the guard of {obj.label}.{call.method}()")
+                    note = f"raised by the guard of {obj.label}.{call.method}()"
+                    if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
+                        e.add_note(note)  # (3.11 on) its message may not say it was the guard
                     del gready[i]
                     obj.queued -= 1
                     eng._finish(call, False, e)

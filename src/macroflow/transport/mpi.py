@@ -600,8 +600,18 @@ def disconnect(comm: Any, ctx: int, wait: Optional[float] = None,
     print(f"macroflow: context {ctx}: disconnecting from spawned ranks did not end within "
           f"{wait:g} s (one may have died unheard of); this process ends without "
           f"MPI_Finalize", file=sys.stderr)
-    (stuck or _end_without_finalize)()
+    (stuck or _disconnect_given_up)()
     return False
+
+
+def _disconnect_given_up() -> None:
+    # MPI here waits for a rank that will not answer: no more spawns, and
+    # _at_exit ends the process before MPI_Finalize (which would wait too)
+    global _broken
+    if _broken is None:
+        _broken = ("a disconnection from spawned ranks did not end (one may have died); MPI "
+                   "here cannot spawn ranks again")
+    _end_without_finalize()
 
 
 def _end_without_finalize() -> None:
