@@ -389,22 +389,30 @@ def fork_roundtrip_startup(runs=5):
             "max_us": float(us.max()), "runs": float(runs)}
 
 
-def main():
-    """Print every baseline as a small table: ``python -m macroflow.bench.baselines``."""
+def main(json_path=None):
+    """Print every baseline as a small table: ``python -m macroflow.bench.baselines``;
+    with ``json_path``, also write every figure there (``macroflow bench
+    baselines --json FILE``)."""
+    res = {"pingpong": {}}
     print(f"{'baseline':<26}{'median_us':>11}{'p10_us':>10}{'p90_us':>10}  extra")
     for mode in MODES:
-        r = pingpong(mode)
+        r = res["pingpong"][mode] = pingpong(mode)
         print(f"{'pingpong ' + mode:<26}{r['median_us']:>11.1f}"
               f"{r['p10_us']:>10.1f}{r['p90_us']:>10.1f}  mean {r['mean_us']:.1f}")
-    r = mailbox()
+    r = res["mailbox"] = mailbox()
     print(f"{'mailbox (shared memory)':<26}{r['median_us']:>11.1f}"
           f"{r['p10_us']:>10.1f}{r['p90_us']:>10.1f}  mean {r['mean_us']:.1f}")
-    r = bandwidth()
+    r = res["bandwidth"] = bandwidth()
     print(f"{'bandwidth %d MiB' % (r['nbytes'] // 2**20):<26}{r['median_us']:>11.1f}"
           f"{'':>20}  {r['mb_per_s']:.0f} MB/s (sndbuf {r['sndbuf']:.0f})")
-    r = fork_roundtrip_startup()
+    r = res["fork_startup"] = fork_roundtrip_startup()
     print(f"{'fork to first reply':<26}{r['median_us']:>11.1f}"
           f"{r['min_us']:>10.1f}{r['max_us']:>10.1f}  (min/max of {r['runs']:.0f})")
+    if json_path:
+        import json
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1, sort_keys=True)
+        print(f"\nwrote {json_path}")
 
 
 if __name__ == "__main__":
