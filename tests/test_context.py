@@ -473,7 +473,7 @@ def test_a_guard_without_a_truth_value_fails_only_its_call(run):
 def test_a_result_or_argument_whose_pickling_raises_anything_is_a_call_error(run):
     def main():
         o = Odd.create(on=1)
-        with pytest.raises(mf.CallError, match=r"the result of Odd\.weird_result \(\w+\) "
+        with pytest.raises(mf.CallError, match=r"the result of Odd\.weird_result on context 1 \(\w+\) "
                                                r"could not be pickled: reduce boom"):
             o.weird_result().result(timeout=10)
         with pytest.raises(mf.CallError, match="cannot send the arguments.*reduce boom"):

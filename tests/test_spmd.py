@@ -1678,3 +1678,14 @@ def test_an_error_let_through_by_user_code_keeps_that_code_in_its_remote_traceba
     text = mf.run(main, contexts=3, transport=transport)
     assert "Traceback from context 2" in text and "Then raised in context 1" in text, text
     assert "in m" in text.split("Then raised in context 1")[1], text
+
+
+def _returns_a_lock():
+    import threading
+    return threading.Lock()
+
+
+def test_an_spmd_result_that_cannot_be_pickled_names_its_type_and_context(transport):
+    with pytest.raises(mf.CallError, match=r"the result of SPMD function _returns_a_lock on "
+                                           r"context \d \(lock\) could not be pickled"):
+        mf.spmd(_returns_a_lock, n=2, transport=transport)

@@ -1167,10 +1167,17 @@ class Engine:
                 data, bufs = _encode(value)
                 return True, data, bufs
             except Exception as e:  # a __reduce__ may raise anything
-                whose = f"the result of {self._call_label(call)}" if call is not None \
-                    else "the result"
+                shown = value
+                if call is not None:
+                    whose = f"the result of {self._call_label(call)} on context {self.id}"
+                    # a model may wrap what the user's code returned (an SPMD run's)
+                    unwrap = getattr(self.call_kinds.get(call.kind), "user_result", None)
+                    if unwrap is not None:
+                        shown = unwrap(value)
+                else:
+                    whose = "the result"
                 value = errors.CallError(
-                    f"{whose} ({type(value).__name__}) could not be pickled: {e}")
+                    f"{whose} ({type(shown).__name__}) could not be pickled: {e}")
         value = _portable_exception(value, self.id)
         try:
             data, bufs = _encode(value)

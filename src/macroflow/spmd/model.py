@@ -301,6 +301,11 @@ class SpmdCalls(CallKind):
         if run is not None and run.aborted is not None:
             raise run.aborted
 
+    @staticmethod
+    def user_result(value: Any) -> Any:
+        """What the user's function returned, in what run_main returns."""
+        return value[0] if type(value) is tuple and value else value
+
     def label(self, call: Call) -> str:
         if call.method == "action" and call.args:
             return f"remote action {_name(call.args[0])}"
