@@ -1468,3 +1468,15 @@ def test_many_consumers_of_futures_that_resolve_to_each_other_all_fail(run):
         return kinds
 
     assert run(main) == {"DeadlockError"}
+
+
+def test_gathers_timeout_says_the_timeout_it_was_given(run):
+    # (it said "not ready after 0.09975426100027107 s", the time left)
+    def main():
+        pending = _Returns.create(on=1).ret()  # its guard never holds
+        with pytest.raises(mf.TimeoutError, match=r"not ready after 0\.1 s \(mf\.gather's "
+                                                  r"timeout\)"):
+            mf.gather([pending], timeout=0.1)
+        return "ok"
+
+    assert run(main, contexts=2) == "ok"

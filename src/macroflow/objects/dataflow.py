@@ -133,7 +133,14 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
     out = []
     for f in items:
         if isinstance(f, Future):
-            out.append(f.result(_left(deadline)))
+            try:
+                out.append(f.result(_left(deadline)))
+            except TimeoutError as e:
+                if not isinstance(e, errors.TimeoutError) or f.done():
+                    raise
+                # the time left of gather's own timeout, not that, is in result()'s message
+                raise errors.TimeoutError(
+                    f"{f!r} not ready after {timeout:g} s (mf.gather's timeout)") from None
         else:
             out.append(f)
     return out
