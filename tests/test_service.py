@@ -768,6 +768,13 @@ def test_quick_service_bench_writes_every_figure(tmp_path, capsys):
             assert r["n_requests"] == 1 and r["served_while_busy"] == 0, r
     assert [b["pass"] for b in res["bars"]] == [
         b["value"] is not None and b["value"] < b["limit"] for b in res["bars"]]
+    # the saved run is printed again from its file, as the other suites' are
+    # (it started a new full run)
+    r = subprocess.run([sys.executable, "-m", "macroflow.bench.service", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [t in r.stdout for t in ("Service latency", "Null call", "Bars")] == [True] * 3
+    assert "round 1/" not in r.stdout + r.stderr
 
 
 class _FakeTransport:

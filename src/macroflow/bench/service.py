@@ -451,6 +451,15 @@ def main(json_path: Optional[str] = None, quick: bool = False) -> int:
     return 0
 
 
+def markdown(res: Dict[str, Any]) -> str:
+    """A saved run's tables (``python -m macroflow.bench.service out.json``)."""
+    import io
+    out = io.StringIO()
+    report(res, out)
+    return out.getvalue()
+
+
 if __name__ == "__main__":
     from macroflow.bench import service as _service  # classes pickle by reference
-    sys.exit(_service.main(quick="--quick" in sys.argv))
+    from macroflow.bench import suite_main
+    sys.exit(suite_main(_service, [], sys.argv))
