@@ -1365,9 +1365,7 @@ class Engine:
                 else:
                     mark, steps, power = trail
                     if mark == here:
-                        self.send_error(dest, label, errors.DeadlockError(
-                            f"the future {fid[0]}.{fid[1]} resolves to a future that "
-                            f"resolves to it again: methods returned each other's futures"))
+                        self.send_error(dest, label, _alias_cycle(fid))
                         self._maybe_drop(fid, slot)
                         return
                     steps += 1
@@ -1382,9 +1380,7 @@ class Engine:
             if to_fid in seen:
                 # futures returned by methods that resolve to one another:
                 # no value can ever come, and following them would never end
-                self.send_error(dest, label, errors.DeadlockError(
-                    f"the future {to_fid[0]}.{to_fid[1]} resolves to a future that "
-                    f"resolves to it again: methods returned each other's futures"))
+                self.send_error(dest, label, _alias_cycle(to_fid))
                 return
             fid = to_fid
 
@@ -2409,6 +2405,14 @@ class SystemCalls(CallKind):
 
 
 # the core's own opcodes (CALL and VALUE are handled by the engine's loop)
+def _alias_cycle(fid: Any) -> errors.DeadlockError:
+    """The error of a request for ``fid``, a future that resolves to itself
+    through the futures methods returned."""
+    return errors.DeadlockError(
+        f"the future {fid[0]}.{fid[1]} resolves to a future that resolves to it again: "
+        f"methods returned each other's futures")
+
+
 def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_forward(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
 
