@@ -1689,3 +1689,17 @@ def test_an_spmd_result_that_cannot_be_pickled_names_its_type_and_context(transp
     with pytest.raises(mf.CallError, match=r"the result of SPMD function _returns_a_lock on "
                                            r"context \d \(lock\) could not be pickled"):
         mf.spmd(_returns_a_lock, n=2, transport=transport)
+
+
+def _ops_differ():
+    return mf.allreduce(float(mf.rank() + 1), op="sum" if mf.rank() == 0 else "max")
+
+
+def test_collectives_that_differ_in_their_op_are_reported(transport):
+    # each node of the tree combined with its own op: a value neither op gives
+    with pytest.raises(mf.CollectiveError) as e:
+        mf.spmd(_ops_differ, n=2 if transport == "mpi" else 4, transport=transport)
+    text = str(e.value)
+    assert "called different collectives" in text or "different ops" in text, text
+    if "called different collectives" in text:
+        assert "mf.allreduce(op=sum)" in text and "mf.allreduce(op=max)" in text

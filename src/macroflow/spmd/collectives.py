@@ -419,14 +419,24 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
 def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any,
            root: int, opname: Optional[str]) -> Collective:
     c = Collective(model, run, kind, name, value, op, root, opname)
-    _entered(model, run, kind, root)
+    _entered(model, run, kind, root, op)
     run.colls[c.seq] = c
     c.start()
     return c
 
 
-_SIGNS: dict = {}  # (kind, root) -> what a collective adds to a run's signature, its label
+_SIGNS: dict = {}  # (kind, root, op) -> what a collective adds to a run's signature, its label
 _ROOTED = ("broadcast", "reduce")
+
+
+def _op_name(op: Any) -> str:
+    """How a reduction's op is named in a run's signature and its errors."""
+    for name, fn in OPS.items():
+        if fn is op:
+            return name
+    if isinstance(op, str):
+        return op
+    return f"{getattr(op, '__module__', '')}.{getattr(op, '__qualname__', type(op).__name__)}"
 
 
 def label(kind: str, root: int) -> str:
@@ -439,12 +449,26 @@ def label(kind: str, root: int) -> str:
     return f"mf.{kind}(root={root})" if kind in _ROOTED else f"mf.{kind}()"
 
 
-def _entered(model: SpmdModel, run: Run, kind: str, root: int) -> None:
+def _entered(model: SpmdModel, run: Run, kind: str, root: int, op: Any = None) -> None:
     run.entered += 1
-    # what this context called, in order: compared between contexts when the run ends
-    known = _SIGNS.get((kind, root))
+    # what this context called, in order: compared between contexts when the
+    # run ends (the op too: a tree whose nodes combine with different ops
+    # completes, with a value neither op gives)
+    try:
+        known = _SIGNS.get((kind, root, op))
+    except TypeError:  # an op that cannot be hashed: by its name
+        op = _op_name(op)
+        known = _SIGNS.get((kind, root, op))
     if known is None:
-        known = _SIGNS[(kind, root)] = (f"{kind}@{root};".encode(), label(kind, root))
+        name = label(kind, root)
+        sign = f"{kind}@{root};"
+        if kind in ("reduce", "allreduce"):
+            opname = _op_name(op)
+            name = f"{name[:-1]}{', ' if kind in _ROOTED else ''}op={opname})"
+            sign = f"{kind}@{root}:{opname};"
+        known = (sign.encode(), name)
+        if len(_SIGNS) < 4096:  # (ops made afresh at each call are not all kept)
+            _SIGNS[(kind, root, op)] = known
     run.signature = zlib.crc32(known[0], run.signature)
     run.last = known[1]
     model.counts["spmd_collectives"] += 1

@@ -121,7 +121,7 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
         # a collective whose messages crossed (a broadcast against a reduce,
         # different roots) can complete everywhere with wrong values
         raise errors.CollectiveError(
-            "the contexts of the run called different collectives (kind, root or order) and "
+            "the contexts of the run called different collectives (kind, root, op or order) and "
             "the results may be wrong: " + "; ".join(
                 f"context {r} entered {c[0]}" + (f", the last {c[2]}" if c[2] else "")
                 + f" (signature {c[1]:08x})" for r, c in enumerate(called)),

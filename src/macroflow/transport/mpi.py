@@ -3059,9 +3059,9 @@ class NativeCollective:
             self.sig = None
             if got[0] != -got[1]:
                 v = self.value
-                self.error = (f"the contexts gave arrays of different dtypes or shapes (this "
-                              f"one: {v.dtype} {v.shape}); under MPI every context must "
-                              f"give the same")
+                self.error = (f"the contexts gave arrays of different dtypes or shapes, or "
+                              f"different ops (this one: {v.dtype} {v.shape}, op={self.op!r}); "
+                              f"under MPI every context must give the same")
                 self.done = True
                 return True
             import numpy as np
