@@ -1703,3 +1703,19 @@ def test_collectives_that_differ_in_their_op_are_reported(transport):
     assert "called different collectives" in text or "different ops" in text, text
     if "called different collectives" in text:
         assert "mf.allreduce(op=sum)" in text and "mf.allreduce(op=max)" in text
+
+
+def _bad_roots():
+    errs = []
+    for root in ("0", 0.0, 5):
+        try:
+            mf.broadcast(1, root=root)
+        except (TypeError, ValueError) as e:
+            errs.append((type(e).__name__, str(e)))
+    return errs
+
+
+def test_a_root_that_is_not_an_int_is_a_type_error():
+    errs = mf.spmd(_bad_roots, n=1, transport="inproc")[0]
+    assert [t for t, _ in errs] == ["TypeError", "TypeError", "ValueError"], errs
+    assert all("root must be a rank in 0..0" in m for _, m in errs)

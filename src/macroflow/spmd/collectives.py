@@ -410,7 +410,10 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
     model = model_of(eng)
     run = model.current_run(name)
     r = as_int(root)  # an int, or a numpy integer
-    if r is None or not 0 <= r < run.size:
+    if r is None:  # (a TypeError, as a context id of another type is elsewhere)
+        raise TypeError(f"{name}: root must be a rank in 0..{run.size - 1} (an int); "
+                        f"got {root!r}")
+    if not 0 <= r < run.size:
         raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; got {root!r}")
     root = r
     return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
