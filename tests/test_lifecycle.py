@@ -706,3 +706,14 @@ def test_run_takes_a_main_whose_decorator_supplies_its_arguments():
         return n
 
     assert mf.run(main, contexts=1, transport="inproc") == 2
+
+
+def test_all_names_every_public_name_and_no_module():
+    import re
+    import types
+    text = open(mf.__file__).read()
+    assert sorted(re.findall(r" as (\w+)\n", text)) == mf.__all__
+    assert not [n for n in mf.__all__ if isinstance(getattr(mf, n), types.ModuleType)]
+    ns = {}
+    exec("from macroflow import *", ns)
+    assert {"run", "spmd", "Future", "persistent"} <= set(ns) and "core" not in ns

@@ -8,7 +8,8 @@ Layers, bottom up (see docs/guide.md):
   spmd       Tulip's SPMD runs: registered memory, get/put, remote actions,
              collectives that keep serving; pC++'s distributed collections
   launch     run / init / shutdown, and the `macroflow` command
-Everything public is re-exported here; nothing else lives in this file.
+Everything public is re-exported here (and named in ``__all__``); nothing else
+lives in this file.
 """
 
 from .core.errors import CallError as CallError
@@ -77,3 +78,8 @@ from .spmd.program import size as size
 from .spmd.program import spmd as spmd
 
 __version__ = "0.1.0"
+
+# every name re-exported above ("from X import n as n"), and no submodule:
+# what `from macroflow import *` gives
+__all__ = sorted(n for n, v in list(globals().items())
+                 if not n.startswith("_") and type(v).__name__ != "module")
