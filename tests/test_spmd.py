@@ -1719,3 +1719,28 @@ def test_a_root_that_is_not_an_int_is_a_type_error():
     errs = mf.spmd(_bad_roots, n=1, transport="inproc")[0]
     assert [t for t, _ in errs] == ["TypeError", "TypeError", "ValueError"], errs
     assert all("root must be a rank in 0..0" in m for _, m in errs)
+
+
+def _puts_of_python_values():
+    mem = np.zeros(3, np.int32)
+    gp = mf.register(mem)
+    out = []
+    for data in ([1.7, 2, 3], [1 + 2j, 0, 0], [1, 2, 3], [True, False, True]):
+        try:
+            mf.put(gp, data).wait()
+            out.append(mem.tolist())
+        except TypeError as e:
+            out.append(str(e))
+    fmem = np.zeros(2, np.float32)
+    fgp = mf.register(fmem)
+    mf.put(fgp, [1.5, 2]).wait()
+    out.append(fmem.tolist())
+    return out
+
+
+def test_a_put_of_values_the_memory_would_cut_short_is_refused():
+    # (1.7 into int32 memory stored 1)
+    got = mf.spmd(_puts_of_python_values, n=1, transport="inproc")[0]
+    assert "data holds float64 values, which int32 memory would cut short" in got[0]
+    assert "data holds complex128 values, which int32 memory would cut short" in got[1]
+    assert got[2:] == [[1, 2, 3], [1, 0, 1], [1.5, 2.0]]

@@ -379,6 +379,7 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
         if view is not None:
             arr = _from_buffer(view, gp)
         else:
+            _check_lossless(data, dt)
             try:
                 arr = np.asarray(data, dtype=dt)
             except (TypeError, ValueError, OverflowError) as e:
@@ -387,6 +388,27 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
     _check_array(arr, gp, "put", "data")
     return _transfer(eng, gp, "put", _bytes(arr), None)
 
+
+
+def _check_lossless(data: Any, dt: np.dtype) -> None:
+    """Refuse values that the memory's dtype would cut short (1.7 into int
+    memory stored 1): fractions into integers, complex into real numbers.
+
+    Example:
+        >>> _check_lossless([1, 2], np.dtype("int32"))
+        >>> _check_lossless([1.7, 2], np.dtype("int32"))
+        Traceback (most recent call last):
+        ...
+        TypeError: mf.put(): data holds float64 values, which int32 memory would cut short; convert them first if that is what you mean
+    """
+    try:
+        kind = np.asarray(data).dtype.kind
+    except (TypeError, ValueError, OverflowError):
+        return  # (np.asarray with the memory's dtype says what is wrong)
+    to = np.dtype(dt).kind
+    if (kind in "fc" and to in "iub") or (kind == "c" and to == "f"):
+        raise TypeError(f"mf.put(): data holds {np.asarray(data).dtype} values, which {dt} "
+                        f"memory would cut short; convert them first if that is what you mean")
 
 
 def _from_buffer(view: memoryview, gp: MemoryPointer) -> np.ndarray:
