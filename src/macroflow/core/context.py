@@ -1335,14 +1335,14 @@ class Engine:
         # A loop, not recursion: a chain of aliases (a method returning a call
         # that returns a call ...) may be as long as the computation is deep.
         #
-        # A request passed on to another context carries a trail, (mark,
-        # steps, power), for Brent's cycle finding: a request that comes
-        # back to the alias it left from (futures on several contexts that
-        # resolve to one another) meets its mark within a few rounds of the
-        # cycle, however long the chain before it, in a message of constant
-        # size. Another request for the same future starts its own trail.
+        # A request following aliases keeps a trail, (mark, steps, power),
+        # for Brent's cycle finding, and carries it when it is passed on to
+        # another context: a request that comes back to an alias it followed
+        # (futures, on one context or several, that resolve to one another)
+        # meets its mark within a few rounds of the cycle, however long the
+        # chain before it, in a message of constant size. Another request
+        # for the same future starts its own trail.
         slots = self.slots
-        seen = None  # the aliases followed here, once there are several
         while True:
             slot = slots.get(fid)
             if slot is None:
@@ -1358,30 +1358,23 @@ class Engine:
                     slot.subs.append((dest, label))
                 return
             to_fid, home = alias
+            here = (self.id, fid)
+            if trail is None:
+                trail = (here, 0, 1)
+            else:
+                mark, steps, power = trail
+                if mark == here:
+                    # no value can ever come, and following them would never end
+                    self.send_error(dest, label, _alias_cycle(fid))
+                    self._maybe_drop(fid, slot)
+                    return
+                steps += 1
+                trail = (here, 0, 2 * power) if steps == power else (mark, steps, power)
             if home != self.id:
-                here = (self.id, fid)
-                if trail is None:
-                    trail = (here, 0, 1)
-                else:
-                    mark, steps, power = trail
-                    if mark == here:
-                        self.send_error(dest, label, _alias_cycle(fid))
-                        self._maybe_drop(fid, slot)
-                        return
-                    steps += 1
-                    trail = (here, 0, 2 * power) if steps == power else (mark, steps, power)
                 self._relay(slot, to_fid, home, dest, label, trail)
                 self._maybe_drop(fid, slot)
                 return
             self._maybe_drop(fid, slot)
-            if seen is None:
-                seen = set()
-            seen.add(fid)
-            if to_fid in seen:
-                # futures returned by methods that resolve to one another:
-                # no value can ever come, and following them would never end
-                self.send_error(dest, label, _alias_cycle(to_fid))
-                return
             fid = to_fid
 
     def _maybe_drop(self, fid, slot: Slot) -> None:

@@ -137,17 +137,21 @@ def _load_by_value(blob: bytes, filename: Optional[str] = None) -> Any:
     return obj
 
 
+def _functions_of(obj: Any) -> List[types.FunctionType]:
+    """``obj`` itself if it is a function, else the functions a class
+    defines (its methods, static and class methods included)."""
+    if type(obj) is types.FunctionType:
+        return [obj]
+    fns = [getattr(v, "__func__", v) for v in vars(obj).values()] if isinstance(obj, type) else []
+    return [f for f in fns if type(f) is types.FunctionType]
+
+
 def _source_file(obj: Any) -> Optional[str]:
     """The file a function (or a class's first method) sent by value was
     defined in, to give back to its code at the receiver (cloudpickle 3
     names it ``<dynamic-code>``, and a remote traceback would show no file)."""
-    if type(obj) is types.FunctionType:
-        return obj.__code__.co_filename
-    for v in vars(obj).values() if isinstance(obj, type) else ():
-        v = getattr(v, "__func__", v)
-        if type(v) is types.FunctionType:
-            return v.__code__.co_filename
-    return None
+    fns = _functions_of(obj)
+    return fns[0].__code__.co_filename if fns else None
 
 
 def _refile(obj: Any, filename: str) -> None:
@@ -166,14 +170,11 @@ def _refile(obj: Any, filename: str) -> None:
         consts = tuple(fix(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
         return code.replace(co_filename=filename, co_consts=consts)
 
-    fns = [obj] if type(obj) is types.FunctionType else \
-        [getattr(v, "__func__", v) for v in vars(obj).values()] if isinstance(obj, type) else []
-    for fn in fns:
-        if type(fn) is types.FunctionType:
-            try:
-                fn.__code__ = fix(fn.__code__)
-            except (TypeError, ValueError):
-                pass  # (a code object it will not take: keep the one it has)
+    for fn in _functions_of(obj):
+        try:
+            fn.__code__ = fix(fn.__code__)
+        except (TypeError, ValueError):
+            pass  # (a code object it will not take: keep the one it has)
 
 
 def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:

@@ -135,8 +135,8 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
         if isinstance(f, Future):
             try:
                 out.append(f.result(_left(deadline)))
-            except TimeoutError as e:
-                if not isinstance(e, errors.TimeoutError) or f.done():
+            except errors.TimeoutError:
+                if f.done():  # (it came late: result() says so)
                     raise
                 # the time left of gather's own timeout, not that, is in result()'s message
                 raise errors.TimeoutError(

@@ -442,14 +442,16 @@ def _op_name(op: Any) -> str:
     return f"{getattr(op, '__module__', '')}.{getattr(op, '__qualname__', type(op).__name__)}"
 
 
-def label(kind: str, root: int) -> str:
-    """How errors name a collective: its function, and its root if it has one.
+def label(kind: str, root: int, op: Optional[str] = None) -> str:
+    """How errors name a collective: its function, its root if it has one,
+    and a reduction's ``op`` if given.
 
     Example:
-        >>> label("broadcast", 1), label("barrier", 0)
-        ('mf.broadcast(root=1)', 'mf.barrier()')
+        >>> label("broadcast", 1), label("barrier", 0), label("reduce", 1, "max")
+        ('mf.broadcast(root=1)', 'mf.barrier()', 'mf.reduce(root=1, op=max)')
     """
-    return f"mf.{kind}(root={root})" if kind in _ROOTED else f"mf.{kind}()"
+    given = ([f"root={root}"] if kind in _ROOTED else []) + ([f"op={op}"] if op else [])
+    return f"mf.{kind}({', '.join(given)})"
 
 
 def _entered(model: SpmdModel, run: Run, kind: str, root: int, op: Any = None) -> None:
@@ -463,13 +465,9 @@ def _entered(model: SpmdModel, run: Run, kind: str, root: int, op: Any = None) -
         op = _op_name(op)
         known = _SIGNS.get((kind, root, op))
     if known is None:
-        name = label(kind, root)
-        sign = f"{kind}@{root};"
-        if kind in ("reduce", "allreduce"):
-            opname = _op_name(op)
-            name = f"{name[:-1]}{', ' if kind in _ROOTED else ''}op={opname})"
-            sign = f"{kind}@{root}:{opname};"
-        known = (sign.encode(), name)
+        opname = _op_name(op) if kind in ("reduce", "allreduce") else None
+        sign = f"{kind}@{root}:{opname};" if opname else f"{kind}@{root};"
+        known = (sign.encode(), label(kind, root, opname))
         if len(_SIGNS) < 4096:  # (ops made afresh at each call are not all kept)
             _SIGNS[(kind, root, op)] = known
     run.signature = zlib.crc32(known[0], run.signature)

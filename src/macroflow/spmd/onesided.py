@@ -402,12 +402,12 @@ def _check_lossless(data: Any, dt: np.dtype) -> None:
         TypeError: mf.put(): data holds float64 values, which int32 memory would cut short; convert them first if that is what you mean
     """
     try:
-        kind = np.asarray(data).dtype.kind
+        given = np.asarray(data).dtype
     except (TypeError, ValueError, OverflowError):
         return  # (np.asarray with the memory's dtype says what is wrong)
-    to = np.dtype(dt).kind
+    kind, to = given.kind, np.dtype(dt).kind
     if (kind in "fc" and to in "iub") or (kind == "c" and to == "f"):
-        raise TypeError(f"mf.put(): data holds {np.asarray(data).dtype} values, which {dt} "
+        raise TypeError(f"mf.put(): data holds {given} values, which {dt} "
                         f"memory would cut short; convert them first if that is what you mean")
 
 

@@ -74,12 +74,7 @@ _HDR = struct.Struct("<II")
 _HDR1 = struct.Struct("<IIQ")  # the common frame: one buffer
 _RBUF_MIN = 16 * 1024  # a connection's read buffer when it is made
 _RBUF = 256 * 1024  # the most it grows to (for frames of buffers up to _BIG)
-# Buffers larger than this are received in place (a pooled or fresh array),
-# not read into the connection's buffer and copied out. (The start of such a
-# buffer that a read takes along is copied: up to the read buffer's size.
-# Reading at most 32 KiB at a time bounded that copy, but made a 64 KiB
-# array there and back on tcp 1.2x slower, for no gain measured at 1 MiB.)
-_BIG = 128 * 1024
+_BIG = _RBUF // 2  # buffers larger than this are received in place
 _SOCKBUF = 4 * 1024 * 1024
 _IOV_MAX = 512
 _SMALL = 64 * 1024  # frames up to this size are joined and sent with one send()
@@ -95,10 +90,11 @@ _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _START_WAIT = 120.0  # seconds to wait for a peer's listening socket to appear
 NOT_STARTED, LISTENING, GONE = 0, 1, 2  # a context's state in Mesh.states
 RING_BYTES = 1 << 20  # a shared-memory ring, one direction of one connection
-# larger frames travel on the socket (a MARK in the ring). Up to this size
-# the ring (a copy in, a copy out) is never worse than the socket; a 64 KiB
-# array there and back took 76 us by the socket and 39 us by the ring.
-RING_FRAME_MAX = 128 * 1024
+# larger frames travel on the socket (a MARK in the ring). Up to _BIG the
+# socket copies a payload out of its read buffer, so the ring (a copy in, a
+# copy out) is never worse; a 64 KiB array there and back took 76 us by the
+# socket and 39 us by the ring.
+RING_FRAME_MAX = _BIG
 # each ring has a bulk area of this many bytes (pages taken only once
 # written) for the buffers of BULK_MIN bytes or more of a frame: one copy
 # in, and the receiver's array is made on the area itself (see ring.py)
