@@ -40,15 +40,23 @@ POLL_SPIN = 2e-3  # seconds a context waiting in a polled collective does not sl
 QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us each)
 
 
+# A NaN wins a min or a max, as in np.minimum and np.maximum: a comparison
+# with it is False, so without a test the result would depend on the order
+# in which the tree combined the values.
+
 def _min(a: Any, b: Any) -> Any:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.minimum(a, b)
+    if isinstance(a, (float, np.floating)) and a != a:
+        return a
     return a if a <= b else b
 
 
 def _max(a: Any, b: Any) -> Any:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.maximum(a, b)
+    if isinstance(a, (float, np.floating)) and a != a:
+        return a
     return a if a >= b else b
 
 
@@ -99,7 +107,7 @@ class Collective:
     """One collective of a run, in one context."""
 
     __slots__ = ("model", "run", "seq", "kind", "name", "root", "op", "opname", "value", "ups",
-                 "sent_up", "future", "epoch", "quick")
+                 "sent_up", "future", "epoch", "quick", "native")
 
     def __init__(self, model: SpmdModel, run: Run, kind: str, name: str, value: Any,
                  op: Callable[[Any, Any], Any], root: int, opname: Optional[str] = None):
@@ -119,6 +127,7 @@ class Collective:
         # what completes it without a message (an MPI request, counters in
         # shared memory): the waiting thread tries it a few times before it parks
         self.quick: Optional[Callable[[], Any]] = None
+        self.native = False  # in the transport's collective: the tree's messages wait
 
     # -- the tree
     def up_children(self) -> List[int]:
@@ -131,13 +140,8 @@ class Collective:
 
     def start(self) -> None:
         run = self.run
-        if run.failed is not None:
-            self.fail(run.failed)
+        if self.ended():
             return
-        for rank, (entered, failure) in run.ended.items():
-            if failure is None and entered <= self.seq:
-                self.fail(_never_joins(self, rank, entered))
-                return
         natives = self.model.natives(run)
         # a barrier in shared memory beats MPI's where the run offers one (see _start)
         shared = self.kind == "barrier" and run.offered and run.shm is not None
@@ -153,6 +157,23 @@ class Collective:
             elif run.shm is not None:
                 self.start_shared(run.shm)
                 return
+        self.start_tree()
+
+    def ended(self) -> bool:
+        """Fail it, and say so, if the run failed or a context ended before it."""
+        run = self.run
+        if run.failed is not None:
+            self.fail(run.failed)
+            return True
+        for rank, (entered, failure) in run.ended.items():
+            if failure is None and entered <= self.seq:
+                self.fail(_never_joins(self, rank, entered))
+                return True
+        return False
+
+    def start_tree(self) -> None:
+        """Do it by messages up and down the run's binomial tree."""
+        run = self.run
         for src, msg in run.early.pop(self.seq, ()):
             self.message(src, msg)
             if self.future._state:
@@ -165,6 +186,7 @@ class Collective:
     def start_native(self, natives: Any) -> None:
         """Let the transport do it (MPI's non-blocking collectives), polled by the engine."""
         op = natives.start(self.kind, self.value, self.opname)
+        self.native = True
 
         def poll() -> bool:
             # failed meanwhile (a context ended without joining): still driven
@@ -172,12 +194,13 @@ class Collective:
             if not op.test():
                 return False
             if not self.future._state:
-                try:
-                    value = op.result()
-                except errors.CollectiveError as e:
-                    self.fail(errors.CollectiveError(f"{self.name}: {e}", missing=[]))
+                if op.fallback:  # every rank learnt it at once: all go by the tree
+                    self.native = False
+                    self.quick = None
+                    if not self.ended():
+                        self.start_tree()
                 else:
-                    self.complete(value)
+                    self.complete(op.result())
             return True
 
         if not poll():
@@ -238,6 +261,9 @@ class Collective:
                 f"run, context {self.run.rank} root={self.root}: every context must give the "
                 f"same root"))
             return
+        if self.native:  # a context that left MPI's collective first: kept for the tree
+            self.run.early.setdefault(self.seq, []).append((src, msg))
+            return
         if phase == "u":
             self.ups[src] = payload
             self.try_up()
@@ -259,9 +285,15 @@ class Collective:
             for c in kids:
                 acc = self.op(acc, ups[c])
         except Exception as e:
-            self.fail(errors.CollectiveError(
+            err = errors.CollectiveError(
                 f"{self.name}: the operation {getattr(self.op, '__qualname__', self.op)!r} "
-                f"failed on context {self.run.rank}: {type(e).__name__}: {e}"))
+                f"failed on context {self.run.rank}: {type(e).__name__}: {e}")
+            # the others wait for what this context will never send: the
+            # run's later collectives fail here, and when this context's
+            # function ends (even having caught this) the others learn why
+            if self.run.failed is None:
+                self.run.failed = err
+            self.fail(err)
             return
         self.ups = {}
         rank = self.run.rank
@@ -725,8 +757,9 @@ def reduce(value: Any, op: Any = "sum", root: int = 0, timeout: Optional[float] 
     gets the result, the others None.
 
     Args:
-        op: "sum", "prod", "min", "max" (numpy arrays element by element) or
-            any associative binary callable (it need not commute).
+        op: "sum", "prod", "min", "max" (numpy arrays element by element,
+            numpy's rules for their dtypes; a NaN wins a min or a max) or any
+            associative binary callable (it need not commute).
 
     Example:
         >>> import macroflow as mf

@@ -2971,7 +2971,7 @@ class MpiCollectives:
         joined = []
         for index, (kind, dtype, shape, op) in specs:
             if index >= self.started and index < started:
-                value = None if kind == "barrier" else np.zeros(shape, dtype)
+                value = None if dtype is None else np.zeros(shape, dtype)
                 joined.append(self.start(kind, value, op))
         return joined
 
@@ -2986,14 +2986,13 @@ class MpiCollectives:
                 pass
 
     def can(self, kind: str, value: Any, op: Any) -> bool:
-        """Whether :meth:`start` can do this collective natively."""
-        if kind == "barrier":
-            return True
-        if kind == "allreduce" and op in self.OPS:
-            import numpy as np
-            return (type(value) is np.ndarray and value.dtype.kind in "iuf"
-                    and value.dtype.isnative and value.flags.c_contiguous)
-        return False
+        """Whether :meth:`start` takes this collective: a barrier, or an
+        allreduce with a named op, whatever its value. Only what every rank
+        knows alike may decide it: a rank going by the tree while another
+        waits in MPI would wait for ever. An allreduce whose values MPI cannot
+        reduce alike on every rank ends with :attr:`NativeCollective.fallback`
+        set, on every rank at once: the run's tree does it then."""
+        return kind == "barrier" or (kind == "allreduce" and op in self.OPS)
 
     def start(self, kind: str, value: Any, op: Any) -> "NativeCollective":
         c = NativeCollective(self, kind, value, op, self.started)
@@ -3007,7 +3006,7 @@ class NativeCollective:
     makes progress and says whether it is done; ``result()`` then."""
 
     __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done", "sig",
-                 "error")
+                 "fallback", "back")
 
     def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any, index: int):
         self.owner = owner
@@ -3019,13 +3018,16 @@ class NativeCollective:
         self.out: Any = None
         self.done = False
         self.sig: Any = None  # an allreduce's check that every rank gave the same array kind
-        self.error: Optional[str] = None  # they did not: what result() raises
+        # they did not (or one had a value MPI does not reduce alike on every
+        # rank): the run's tree reduces it instead, on every rank
+        self.fallback = False
+        self.back: Any = None  # what turns the reduced array into the value's type
 
     def spec(self) -> tuple:
         """(kind, dtype, shape, op): enough for another rank to join it."""
-        v = self.value
-        return (self.kind, None if v is None else v.dtype.str,
-                None if v is None else v.shape, self.op)
+        a = _reducible(self.value, self.op, self.owner.parent.Get_size())[0]
+        return (self.kind, None if a is None else a.dtype.str,
+                None if a is None else a.shape, self.op)
 
     def test(self) -> bool:
         if self.done:
@@ -3042,48 +3044,82 @@ class NativeCollective:
             if self.kind == "barrier":
                 self.req = owner.comm.Ibarrier()
             else:
-                # First a reduction of two numbers that tells whether every
-                # rank gave an array of the same dtype and shape (and op):
-                # MPI would reduce mismatched buffers into wrong numbers, or
-                # wait for ever for bytes that never come. Every rank sees
-                # the same answer, so all of them go on, or none.
-                import numpy as np
-                v = self.value
-                h = zlib.crc32(f"{v.dtype.str}{v.shape}{self.op}".encode())
-                self.sig = (np.array([h, -h], np.int64), np.empty(2, np.int64))
-                self.req = owner.comm.Iallreduce(self.sig[0], self.sig[1], op=MPI.MAX)
+                self.req = owner.comm.Iallreduce(*self._signature(), op=MPI.MAX)
         if not self.req.Test():
             return False
         if self.sig is not None:
             got = self.sig[1]
             self.sig = None
-            if got[0] != -got[1]:
-                v = self.value
-                self.error = (f"the contexts gave arrays of different dtypes or shapes, or "
-                              f"different ops (this one: {v.dtype} {v.shape}, op={self.op!r}); "
-                              f"under MPI every context must give the same")
+            if got[0] != -got[1] or got[2]:
+                self.fallback = True
                 self.done = True
                 return True
             import numpy as np
             MPI = owner.MPI
-            self.out = np.empty_like(self.value)
+            v = self.value  # (_signature made it an array MPI can reduce)
+            if not v.flags.c_contiguous or not v.dtype.isnative:
+                v = np.ascontiguousarray(v, v.dtype.newbyteorder("="))
+            self.out = np.empty_like(v)
             ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-            self.req = owner.comm.Iallreduce(self.value, self.out, op=ops[self.op])
+            self.req = owner.comm.Iallreduce(v, self.out, op=ops[self.op])
             if not self.req.Test():
                 return False
+        if self.back is not None:
+            self.out = self.back(self.out)
         self.done = True
         return True
 
-    def result(self) -> Any:
-        """The reduced array (None for a barrier).
+    def _signature(self) -> tuple:
+        """First, a reduction of three numbers that tells whether every rank
+        gave an array of numbers of the same dtype and shape (and op): MPI
+        would reduce mismatched buffers into wrong numbers, or wait for ever
+        for bytes that never come. Every rank sees the same answer, so all go
+        on in MPI, or all in the tree (which reduces what the ranks gave as
+        it does on every transport). A NaN in a min or max goes to the tree
+        too: MPI's MAX keeps or drops it by the order each rank combined in,
+        so ranks would get different results."""
+        import numpy as np
+        v, self.back = _reducible(self.value, self.op, self.owner.parent.Get_size())
+        if v is not None:
+            self.value = v
+            # the type is in it too: a float and a 0-d array reduce alike in
+            # MPI, but the tree gives each context a numpy float then
+            tag = "array" if self.back is None else self.back.__name__
+            h = zlib.crc32(f"{tag}{v.dtype.newbyteorder('=').str}{v.shape}{self.op}".encode())
+            odd = int(v.dtype.kind == "f" and self.op in ("min", "max")
+                      and bool(np.isnan(v).any()))
+        else:
+            h, odd = 0, 1
+        self.sig = (np.array([h, -h, odd], np.int64), np.empty(3, np.int64))
+        return self.sig
 
-        Raises:
-            macroflow.CollectiveError: the ranks' arrays differed in dtype or shape.
-        """
-        if self.error is not None:
-            from ..core.errors import CollectiveError
-            raise CollectiveError(self.error, missing=[])
+    def result(self) -> Any:
+        """The reduced value (None for a barrier); see :attr:`fallback`."""
         return self.out
+
+
+def _scalar(a: Any) -> Any:
+    return a[()]
+
+
+def _reducible(value: Any, op: str, ranks: int) -> Tuple[Any, Any]:
+    """``(array, back)``: ``value`` as an array MPI can reduce with ``op``
+    and what turns the reduced array back into ``value``'s type (None: it is
+    an array); ``(None, None)`` where MPI cannot give what the tree gives: a
+    value of another type, or a Python int whose sum over ``ranks`` ranks
+    could leave int64 (Python's ints do not overflow; MPI's would wrap)."""
+    import numpy as np
+    t = type(value)
+    if t is np.ndarray:
+        return (value, None) if value.dtype.kind in "iuf" else (None, None)
+    if t is float:
+        return np.array(value), float
+    if t is int:
+        bound = 2 ** 63 // ranks if op == "sum" else 2 ** 63 if op in ("min", "max") else 0
+        return (np.array(value, np.int64), int) if -bound < value < bound else (None, None)
+    if isinstance(value, np.generic) and value.dtype.kind in "iuf":
+        return np.array(value), _scalar
+    return None, None
 
 
 atexit.register(_at_exit)  # (at import: see _at_exit)
