@@ -1167,6 +1167,41 @@ def test_a_mismatch_both_contexts_catch_is_not_called_a_timeout(transport):
                     or "did not match another context's" in text), text
 
 
+def late_context(late, compute, timeout):
+    if mf.rank() == late:
+        time.sleep(compute)  # computes past the others' timeout
+        return None
+    try:
+        mf.barrier(timeout=timeout)
+        return "complete"
+    except mf.CollectiveError as e:
+        return e.missing
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["local", "tcp", "mpi"])
+def test_every_context_whose_barrier_times_out_names_the_one_that_did_not_arrive(transport):
+    # A context that timed out and caught it ended first: the others were
+    # told that it, not the late one, failed (missing == [0]).
+    if transport == "mpi":
+        from conftest import MPI_MISSING
+        if MPI_MISSING:
+            pytest.skip(MPI_MISSING)
+    assert mf.spmd(late_context, 2, 4.0, 0.5, n=3, transport=transport) == [[2], [2], None]
+
+
+def test_on_inproc_a_collective_complete_when_its_context_runs_again_returns_past_its_timeout():
+    # every context shares one thread: the late one holds the others while it
+    # computes, and by the time they run again the barrier is complete
+    def late_then_barrier(timeout):
+        if mf.rank() == 1:
+            time.sleep(2 * timeout)
+        mf.barrier(timeout=timeout)
+        return "complete"
+
+    assert mf.spmd(late_then_barrier, 0.2, n=2, transport="inproc") == ["complete"] * 2
+
+
 def bcast_against_reduce():
     return mf.broadcast(5) if mf.rank() == 0 else mf.reduce(1)
 

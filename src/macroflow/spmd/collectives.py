@@ -414,8 +414,10 @@ def _complete_shared(run: Run) -> None:
             c.complete(None)
 
 
-def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str]) -> None:
-    """Context ``rank`` ended the run's function after ``entered`` collectives."""
+def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optional[str],
+             missing: Optional[List[int]] = None) -> None:
+    """Context ``rank`` ended the run's function after ``entered`` collectives
+    (``missing``: those a failure it caught named)."""
     run.ended[rank] = (entered, failure)
     if failure is not None and CAUGHT not in failure and run.aborted is None:
         run.aborted = errors.CollectiveError(
@@ -427,7 +429,8 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
                 f"({failure.replace(CAUGHT, ': ', 1)})" if CAUGHT in failure
                 else f"failed in its SPMD function ({failure})")
         run.failed = errors.CollectiveError(
-            f"context {rank} {what}, so the run's collectives cannot complete", missing=[rank])
+            f"context {rank} {what}, so the run's collectives cannot complete",
+            missing=missing or [rank])
         for c in list(run.colls.values()):
             c.fail(run.failed)
         return
@@ -655,6 +658,7 @@ def _give_up(c: Collective, err: BaseException, how: str = "timed out") -> None:
         c.run.failed = errors.CollectiveError(
             f"an earlier collective of the run (#{c.seq + 1}, {c.name}) {how} on context "
             f"{c.run.rank}; the run's collectives are out of step", missing=err.missing)
+        c.run.failed._first = err  # what the others are told (see SpmdModel._end)
 
 
 def _op(op: Any, name: str) -> Callable[[Any, Any], Any]:

@@ -16,10 +16,11 @@ MEMREPLY      (op, request, ok, data or error): completes a get or put handle
 COLL          (op, run, seq, kind, phase, payload): one step of collective
               number ``seq`` of a run (phase "u" up the tree, "d" down it,
               "r" a reduction's result to its root)
-ENDED         (op, run, rank, entered, failure, natives): a context's function
-              of the run ended after entering ``entered`` collectives; natives:
-              the transport's own collectives it started and has not seen
-              end (see SpmdModel.catch_up), or None
+ENDED         (op, run, rank, entered, failure, natives, missing): a context's
+              function of the run ended after entering ``entered`` collectives;
+              natives: the transport's own collectives it started and has not
+              seen end (see SpmdModel.catch_up), or None; missing: where it
+              caught a collective's failure, the contexts that one named
 STATUS        (op, run, asker): how far are you? (a timed-out collective
               asks, to name who did not arrive); served while computing
 STATUS_REPLY  (op, run, rank, entered, in what collective)
@@ -567,15 +568,21 @@ class SpmdModel(Model):
 
     def _end(self, run: Run, failure: Optional[str]) -> None:
         self.by_call.pop(run.call_fid, None)
+        missing = None
         if failure is None and run.failed is not None and not run.told:
             # the function caught its collectives' failure and returned: the
-            # others may wait in a collective this context counted as entered
-            failure = f"{type(run.failed).__name__}{CAUGHT}{run.failed}"
+            # others may wait in a collective this context counted as entered.
+            # They are told what went wrong first (a timeout names who did
+            # not arrive), not that the run is out of step since
+            cause = getattr(run.failed, "_first", run.failed)
+            failure = f"{type(cause).__name__}{CAUGHT}{cause}"
+            missing = getattr(cause, "missing", None) or None
         natives = None if run.natives is _UNKNOWN or run.natives is None \
             else run.natives.unfinished()
         for r in range(run.size):
             if r != self.eng.id and r not in self.eng.lost:
-                self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure, natives))
+                self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure, natives,
+                              missing))
 
     def natives(self, run: Run) -> Any:
         """The transport's own collectives for ``run`` (MPI's), or None: the
@@ -635,7 +642,7 @@ class SpmdModel(Model):
             self.run_lost(run, errors.ContextLost(msg[2], msg[3]))
         elif msg[0] == ENDED:
             from .collectives import on_ended
-            on_ended(self, run, msg[2], msg[3], msg[4])
+            on_ended(self, run, msg[2], msg[3], msg[4], msg[6])
             if msg[5] is not None:
                 self.catch_up(run, msg[5])
         else:
