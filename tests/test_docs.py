@@ -229,3 +229,18 @@ def test_exception_that_cannot_be_rebuilt_arrives_as_remote_error(run, cls, type
     assert f"raise {type_name}(" in err.__cause__.text
     # one traceback, from the context where it was raised
     assert err.__cause__.text.count("Traceback from context 1") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,obj", public_api(),
+                         ids=[n for n, _ in public_api()])
+def test_public_example_runs_when_pasted(name, obj):
+    # pytest runs docstrings with their module's globals, where a private
+    # helper, or a public name left unqualified, resolves: pasted into a new
+    # interpreter, the example failed with a NameError
+    test = doctest.DocTestParser().get_doctest(obj.__doc__ or "", {}, name, None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    out = []
+    runner.run(test, out=out.append)
+    mf.shutdown()
+    assert runner.tries and runner.failures == 0, "".join(out)

@@ -615,9 +615,10 @@ def contexts() -> List[ContextInfo]:
     Answered by context 0 (the program that started the computation).
 
     Example:
-        >>> import macroflow as mf
+        >>> import macroflow as mf, socket
         >>> def main():
-        ...     return [(c.id, c.node == node_name(), c.protocols[0][0]) for c in mf.contexts()]
+        ...     here = socket.gethostname()
+        ...     return [(c.id, c.node == here, c.protocols[0][0]) for c in mf.contexts()]
         >>> mf.run(main, contexts=2, transport="local")
         [(0, True, 'local'), (1, True, 'local')]
     """

@@ -7,9 +7,10 @@ class MacroflowError(Exception):
     """Base class of every error that macroflow itself raises.
 
     Example:
+        >>> import macroflow as mf
         >>> try:
-        ...     raise ContextLost(2, "killed by signal SIGKILL")
-        ... except MacroflowError as e:
+        ...     raise mf.ContextLost(2, "killed by signal SIGKILL")
+        ... except mf.MacroflowError as e:
         ...     print(e)
         context 2 was lost: killed by signal SIGKILL
     """
@@ -22,7 +23,8 @@ class ContextLost(MacroflowError):
     (an exit code, a signal, or a closed connection).
 
     Example:
-        >>> e = ContextLost(3, "exit code 1")
+        >>> import macroflow as mf
+        >>> e = mf.ContextLost(3, "exit code 1")
         >>> e.context, e.how
         (3, 'exit code 1')
     """
@@ -44,7 +46,8 @@ class DeadlockError(MacroflowError, RuntimeError):
     make progress (inproc transport).
 
     Example:
-        >>> isinstance(DeadlockError("x"), RuntimeError)
+        >>> import macroflow as mf
+        >>> isinstance(mf.DeadlockError("x"), RuntimeError)
         True
     """
 
@@ -56,7 +59,8 @@ class RemoteTraceback(Exception):
     the remote traceback above the local one.
 
     Example:
-        >>> print(RemoteTraceback("Traceback ...\\nValueError: bad"))
+        >>> import macroflow as mf
+        >>> print(mf.RemoteTraceback("Traceback ...\\nValueError: bad"))
         <BLANKLINE>
         Traceback ...
         ValueError: bad
@@ -76,7 +80,8 @@ class RemoteError(MacroflowError):
     ``type_name`` is the qualified name of the original exception type.
 
     Example:
-        >>> str(RemoteError("mod.Weird", "it broke"))
+        >>> import macroflow as mf
+        >>> str(mf.RemoteError("mod.Weird", "it broke"))
         'mod.Weird: it broke'
     """
 
@@ -95,7 +100,8 @@ class CallError(MacroflowError, TypeError):
     Raised at the call site, before anything is sent.
 
     Example:
-        >>> issubclass(CallError, TypeError)
+        >>> import macroflow as mf
+        >>> issubclass(mf.CallError, TypeError)
         True
     """
 
@@ -104,7 +110,8 @@ class ObjectDestroyed(MacroflowError):
     """A call reached a persistent object after ``destroy()`` or a failed constructor.
 
     Example:
-        >>> str(ObjectDestroyed("Accumulator#0.3 was destroyed"))
+        >>> import macroflow as mf
+        >>> str(mf.ObjectDestroyed("Accumulator#0.3 was destroyed"))
         'Accumulator#0.3 was destroyed'
     """
 
@@ -113,8 +120,9 @@ class TimeoutError(MacroflowError, TimeoutError):  # noqa: A001 - deliberately a
     """``Future.result(timeout=...)`` ran out of time; the call itself goes on.
 
     Example:
+        >>> import macroflow as mf
         >>> import builtins
-        >>> issubclass(TimeoutError, builtins.TimeoutError)
+        >>> issubclass(mf.TimeoutError, builtins.TimeoutError)
         True
     """
 
@@ -130,7 +138,8 @@ class StaleReference(MacroflowError, ValueError):
     Like using a closed file, it is a :class:`ValueError`.
 
     Example:
-        >>> e = StaleReference("handle <Box 0.1 @ctx1>", "1a2b3c4d", None)
+        >>> import macroflow as mf
+        >>> e = mf.StaleReference("handle <Box 0.1 @ctx1>", "1a2b3c4d", None)
         >>> print(e)
         handle <Box 0.1 @ctx1> belongs to computation 1a2b3c4d, which has ended (no computation is running)
         >>> e.running is None and isinstance(e, ValueError)
@@ -162,7 +171,8 @@ class LimitError(MacroflowError, OSError):
     ``__cause__``.
 
     Example:
-        >>> e = LimitError("RLIMIT_NOFILE", "too many open files")
+        >>> import macroflow as mf
+        >>> e = mf.LimitError("RLIMIT_NOFILE", "too many open files")
         >>> e.limit, str(e), isinstance(e, OSError)
         ('RLIMIT_NOFILE', 'too many open files', True)
     """
@@ -185,8 +195,9 @@ class CollectiveError(MacroflowError):
     that place; ``missing`` lists the contexts that did not arrive, where known.
 
     Example:
-        >>> e = CollectiveError("mf.barrier(): context 1 ended its function", missing=[1])
-        >>> e.missing, isinstance(e, MacroflowError)
+        >>> import macroflow as mf
+        >>> e = mf.CollectiveError("mf.barrier(): context 1 ended its function", missing=[1])
+        >>> e.missing, isinstance(e, mf.MacroflowError)
         ([1], True)
     """
 
@@ -205,7 +216,8 @@ class Terminated(SystemExit):
     computation closes and the process exits with its code (143).
 
     Example:
-        >>> e = Terminated(143)
+        >>> import macroflow as mf
+        >>> e = mf.Terminated(143)
         >>> isinstance(e, SystemExit), e.code
         (True, 143)
     """

@@ -25,7 +25,8 @@ class GlobalPointer:
             computation can use it (None: made by hand, not checked).
 
     Example:
-        >>> g = GlobalPointer(2, "export", (2, 7), (("local", "host:123"),), "1a2b3c4d")
+        >>> import macroflow as mf
+        >>> g = mf.GlobalPointer(2, "export", (2, 7), (("local", "host:123"),), "1a2b3c4d")
         >>> g.context, g.kind, g.protocol_names(), g.computation
         (2, 'export', ('local',), '1a2b3c4d')
     """
@@ -50,7 +51,8 @@ class GlobalPointer:
         """The protocols that reach the pointer's context, best first.
 
         Example:
-            >>> GlobalPointer(0, "export", (0, 1), (("local", "h:1"), ("tcp", "h:2"))).protocol_names()
+            >>> import macroflow as mf
+            >>> mf.GlobalPointer(0, "export", (0, 1), (("local", "h:1"), ("tcp", "h:2"))).protocol_names()
             ('local', 'tcp')
         """
         return tuple(p[0] for p in self.protocols)
@@ -60,7 +62,8 @@ class GlobalPointer:
         """``(kind, ident)``: what the pointer names inside its context.
 
         Example:
-            >>> GlobalPointer(1, "export", (1, 9)).gid
+            >>> import macroflow as mf
+            >>> mf.GlobalPointer(1, "export", (1, 9)).gid
             ('export', (1, 9))
         """
         return (self.kind, self.ident)

@@ -53,16 +53,17 @@ class Placement:
             (bools included).
 
     Example:
-        >>> p = Placement("random", threshold=2, transfer_limit=2, seed=1)
+        >>> import macroflow as mf
+        >>> p = mf.Placement("random", threshold=2, transfer_limit=2, seed=1)
         >>> p.policy, p.threshold, p.transfer_limit
         ('random', 2, 2)
-        >>> Placement(threshold=0).threshold  # every call to the location policy
+        >>> mf.Placement(threshold=0).threshold  # every call to the location policy
         0
-        >>> Placement(transfer_limit=0)
+        >>> mf.Placement(transfer_limit=0)
         Traceback (most recent call last):
         ...
         ValueError: transfer_limit must be an int >= 1 (1: a call runs where its caller's manager put it); got 0
-        >>> Placement(threshold=True)
+        >>> mf.Placement(threshold=True)
         Traceback (most recent call last):
         ...
         TypeError: placement threshold must be an int >= 0, not bool; got True
@@ -86,7 +87,8 @@ class Placement:
         """Accept a Placement, a policy name, or None (the default).
 
         Example:
-            >>> Placement.make("best-most-recently").policy
+            >>> import macroflow as mf
+            >>> mf.Placement.make("best-most-recently").policy
             'best-most-recently'
         """
         if spec is None:
@@ -101,7 +103,8 @@ class Placement:
         """The same policy for another context, with a random generator of its own.
 
         Example:
-            >>> p = Placement("random", threshold=3, seed=1)
+            >>> import macroflow as mf
+            >>> p = mf.Placement("random", threshold=3, seed=1)
             >>> q = p.copy()
             >>> q is p, (q.policy, q.threshold, q.transfer_limit)
             (False, ('random', 3, 1))
@@ -117,7 +120,7 @@ class Placement:
             >>> from macroflow.core.context import current_engine
             >>> with mf.init(contexts=3, transport="inproc"):
             ...     eng = current_engine()         # context 0: its load is 1 (main)
-            ...     Placement(threshold=2).place_call(eng), Placement(threshold=1).place_call(eng)
+            ...     mf.Placement(threshold=2).place_call(eng), mf.Placement(threshold=1).place_call(eng)
             (0, 1)
         """
         if eng.size == 1 or eng.load() < self.threshold:
@@ -133,7 +136,7 @@ class Placement:
             >>> import macroflow as mf
             >>> from macroflow.core.context import current_engine
             >>> with mf.init(contexts=3, transport="inproc"):
-            ...     p = Placement()
+            ...     p = mf.Placement()
             ...     [p.place_object(current_engine()) for _ in range(4)]
             [2, 1, 2, 1]
         """
@@ -150,7 +153,7 @@ class Placement:
             >>> import macroflow as mf
             >>> from macroflow.core.context import current_engine
             >>> with mf.init(contexts=3, transport="inproc"):
-            ...     p = Placement("round-robin")
+            ...     p = mf.Placement("round-robin")
             ...     [p.choose(current_engine(), exclude=None) for _ in range(4)]
             [1, 2, 0, 1]
         """

@@ -169,11 +169,13 @@ def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
         dtype: anything ``numpy.dtype`` accepts.
 
     Example:
-        >>> a = shared_empty((2, 3), dtype="int32")
+        >>> import macroflow as mf
+        >>> from macroflow.spmd.memory import describe
+        >>> a = mf.shared_empty((2, 3), dtype="int32")
         >>> a[:] = 7
         >>> a.shape, a.dtype.name, int(a.sum()), describe(a).shm is not None
         ((2, 3), 'int32', 42, True)
-        >>> shared_empty(0).size
+        >>> mf.shared_empty(0).size
         0
     """
     shape, count = _check_shape(shape)
@@ -203,7 +205,8 @@ def shared_zeros(shape: Any, dtype: Any = float) -> np.ndarray:
     """:func:`shared_empty`, filled with zeros (a new memfd is zeros already).
 
     Example:
-        >>> shared_zeros(3).tolist()
+        >>> import macroflow as mf
+        >>> mf.shared_zeros(3).tolist()
         [0.0, 0.0, 0.0]
     """
     return shared_empty(shape, dtype)
@@ -213,7 +216,8 @@ def shared_full(shape: Any, fill: Any, dtype: Any = None) -> np.ndarray:
     """:func:`shared_empty`, every element set to ``fill`` (dtype: fill's, by default).
 
     Example:
-        >>> shared_full((2,), 5, "int64").tolist(), shared_full(2, 1.5).dtype.name
+        >>> import macroflow as mf
+        >>> mf.shared_full((2,), 5, "int64").tolist(), mf.shared_full(2, 1.5).dtype.name
         ([5, 5], 'float64')
     """
     if dtype is None:
