@@ -220,6 +220,9 @@ def test_a_request_for_a_pointer_that_names_nothing_is_reported_not_run(run, cap
         box = []
         g = mf.export(box)
         mf.unexport(g)
+        with pytest.raises(ValueError, match="names nothing in context 0: it was unexported "
+                                             "already"):
+            mf.unexport(g)
         mf.rsr(g, _touch, 1)  # to this context: nothing is registered under g
         mf.stats()
         return box, mf.stats()[0]["rsr_dropped"], mf.stats()[0]["rsr_executed"]

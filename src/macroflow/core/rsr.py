@@ -38,13 +38,16 @@ def export(obj: Any) -> GlobalPointer:
     return GlobalPointer(eng.id, "export", ident, protocols_of(eng, eng.id), eng.computation)
 
 
+_GONE = object()
+
+
 def unexport(gptr: GlobalPointer) -> None:
     """Forget an object registered with :func:`export` in this context.
 
     Raises:
         TypeError: ``gptr`` is not a GlobalPointer.
-        ValueError: it names another context, or a persistent object (end
-            those with mf.destroy).
+        ValueError: it names another context, a persistent object (end
+            those with mf.destroy), or nothing (unexported already).
         macroflow.StaleReference: ``gptr`` belongs to another computation.
 
     Example:
@@ -61,7 +64,11 @@ def unexport(gptr: GlobalPointer) -> None:
                          f"with mf.export(); a persistent object ends with mf.destroy(handle)")
     if gptr.context != eng.id:
         raise ValueError(f"{gptr!r} names context {gptr.context}, not this one ({eng.id})")
-    eng.exports.pop(gptr.ident, None)
+    if eng.exports.pop(gptr.ident, _GONE) is _GONE:
+        # as `del d[k]` does: a second unexport is a mistake (which pointer
+        # was meant?), not something to pass over
+        raise ValueError(f"mf.unexport(): {gptr!r} names nothing in context {eng.id}: it was "
+                         f"unexported already")
 
 
 def _check_gptr(gptr: Any, who: str, source: str) -> None:
