@@ -182,6 +182,19 @@ class Unrebuildable:
         return _explode, ()
 
 
+def _unrebuildable_by_value():
+    """As Unrebuildable, with a function made here, which travels by value on
+    every transport (its rebuilding went wrong when salvaged: that call hung)."""
+    def explode():
+        raise ValueError("cannot be rebuilt here")
+
+    class ByValue:
+        def __reduce__(self):
+            return explode, ()
+
+    return ByValue()
+
+
 @mf.persistent
 class Keeper:
     def __init__(self, *args):
@@ -204,7 +217,8 @@ def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
         out = {}
         for name, f in [("persistent", k.take(Unrebuildable())),
                         ("regular", Taker().take(Unrebuildable())),
-                        ("consumer", k.take(k.take(Unrebuildable())))]:
+                        ("consumer", k.take(k.take(Unrebuildable()))),
+                        ("by value", k.take(_unrebuildable_by_value()))]:
             try:
                 f.result(timeout=30)
                 out[name] = "no error"
@@ -220,7 +234,7 @@ def test_a_call_the_receiver_cannot_unpickle_fails_its_future(run):
         return out
 
     out = run(main, contexts=2)
-    for name in ("persistent", "regular", "consumer", "create"):
+    for name in ("persistent", "regular", "consumer", "by value", "create"):
         assert "could not unpickle" in out[name] and "cannot be rebuilt here" in out[name], \
             (name, out[name])
     assert "arguments of take()" in out["persistent"]
