@@ -292,6 +292,9 @@ def test_releases_and_now_requests_are_served_while_busy(gate):
         after = wait_for(box, 2)[1]
         open_gate()
         assert busy.result(timeout=30) == "ended"
+        # each request counted once (the loop's look at the object after a
+        # request served while busy was counted as a request too)
+        assert mf.stats(timeout=30)[1]["rsr_executed"] == 2
         return before, after
 
     before, after = mf.run(main, contexts=2, transport="local")

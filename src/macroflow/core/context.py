@@ -1568,7 +1568,8 @@ class Engine:
                 run_coroutine(r)
         except Exception:
             self._rsr_raised(handler)
-        self.stats.rsr_executed += 1
+        if handler is not look_again:
+            self.stats.rsr_executed += 1
         model = self.pointer_kinds.get(gid[0])
         if model is not None and model.notes_served:
             model.served(gid[0], gid[1])  # the handler may have changed its target
@@ -1606,7 +1607,8 @@ class Engine:
             self._rsr_raised(handler)
         finally:
             self.in_inline = inline
-        self.stats.rsr_executed += 1
+        if handler is not look_again:
+            self.stats.rsr_executed += 1
 
     def _rsr_raised(self, handler) -> None:
         # nobody waits for a request: its exception is reported here, saying
@@ -2439,6 +2441,18 @@ class _Unreadable:
 
 def _serve_rsr(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_rsr(msg)
+
+
+def look_again(target: Any) -> None:
+    """The handler of an inline remote service request that runs nothing: a
+    model queues one, to itself, so that the engine's loop calls its
+    ``served`` hook for the target again, where the service mechanism could
+    not start what the target may now run. Not counted as a request run.
+
+    Example:
+        >>> look_again(None) is None
+        True
+    """
 
 
 def _serve_rsr_now(eng: Engine, src: int, msg: tuple) -> None:

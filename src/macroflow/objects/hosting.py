@@ -29,7 +29,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
 from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, RUNTIME_FILES, Call,
-                            CallKind, Engine, Model, register_model)
+                            CallKind, Engine, Model, look_again, register_model)
 from ..core.future import CoroutineType, run_coroutine, site_label
 from ..core.threads import INTERRUPTS, getcurrent
 
@@ -132,7 +132,7 @@ class ObjectHost(Model):
             # the handler may have changed what the guards see, but no
             # method may start from here (a method computes, or called
             # mf.poll()): the engine's loop looks again
-            data, bufs = marshal.dumps((RSR, ("object", ident), _nothing, (), "inline"))
+            data, bufs = marshal.dumps((RSR, ("object", ident), look_again, (), "inline"))
             eng.inbox.append((eng.id, [data, *bufs], eng.load()))
         else:
             self._pump(obj)  # the handler may have changed what the guards see
@@ -608,16 +608,6 @@ class RegularCalls(_HostedKind):
             eng._invoke(getattr(inst, call.method, None), call)
         finally:
             self.host.regular_pool.setdefault(key, []).append(inst)
-
-
-def _nothing(target) -> None:
-    """An inline remote service request that does nothing: queued so that the
-    engine's loop looks at an object's guards again.
-
-    Example:
-        >>> _nothing(None) is None
-        True
-    """
 
 
 def _enqueue(obj: HostedObject, call: Call) -> bool:
