@@ -33,18 +33,6 @@ def run(transport):
 
 
 @pytest.fixture(autouse=True)
-def fresh_call_sites(request):
-    """Each test starts with call sites of its module's classes that have learned
-    nothing (see "Learned eager routing" in the guide): what one test taught the
-    runtime in this process does not change how the next test, or the same test
-    on the next transport, runs."""
-    for obj in vars(request.module).values():
-        methods = obj.__dict__.get("__mf_methods__") if isinstance(obj, type) else None
-        for info in (methods or {}).values():
-            info.strict = 0
-
-
-@pytest.fixture(autouse=True)
 def no_leftover_processes():
     yield
     mf.shutdown()

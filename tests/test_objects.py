@@ -801,6 +801,20 @@ def test_strict_call_sites_get_values_unasked_but_arcs_stay_lazy():
     assert mf.run(main, contexts=3, transport="local") < 2**20
 
 
+@pytest.mark.timeout(60)
+def test_each_computation_starts_having_learned_nothing(run):
+    # A second computation in the same process found Math.square strict from
+    # the start: its futures were done() unasked, and fewer messages flowed.
+    def main():
+        maker = Math.create(on=1)
+        for _ in range(4):
+            maker.square(3).result()  # lazy the first times, then strict
+        return mf.stats()[1]["messages_received"]
+
+    first = run(main, contexts=2)
+    assert [run(main, contexts=2) for _ in range(2)] == [first, first]
+
+
 def test_values_live_until_their_consumers_have_pulled_them(run):
     # The futures are dropped at once, so their release races the consumers'
     # requests; the producer must keep each value until its consumer asked.

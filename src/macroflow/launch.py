@@ -36,6 +36,7 @@ from .core import context as _ctx
 from .core import marshal
 from .core.context import JOINED, MEMBERS, SHUTDOWN, Engine
 from .core.errors import LimitError
+from .core.future import forget_learned
 from .core.placement import Placement
 from . import forkserver
 from .transport.base import REGISTRY
@@ -182,6 +183,7 @@ class Session:
         self.engine: Optional[Engine] = None
         self.started = time.perf_counter()
         self.computation = new_computation_id()
+        forget_learned()  # what an earlier computation here learned (see CallSite)
         self.launcher: Launcher = (make_launcher or load_transport(transport).launcher)(self)
         self.engine = self.launcher.start(placement, spin_us)
         _ctx._state.default = self.engine

@@ -269,11 +269,32 @@ class CallSite:
         0
     """
 
-    __slots__ = ("label", "strict")
+    __slots__ = ("label", "strict", "__weakref__")
 
     def __init__(self, label: str):
         self.label = label
         self.strict = 0
+        _SITES.add(self)
+
+
+#: every call site of this process, so that each computation starts having learned nothing
+_SITES: "weakref.WeakSet[CallSite]" = weakref.WeakSet()
+
+
+def forget_learned() -> None:
+    """Make every call site of this process lazy again, as it was before
+    any computation: what one computation learned must not change how the
+    next runs (which futures are done() unasked, how many messages flow).
+
+    Example:
+        >>> site = CallSite("Accumulator.add")
+        >>> site.strict = 3
+        >>> forget_learned()
+        >>> site.strict
+        0
+    """
+    for site in list(_SITES):
+        site.strict = 0
 
 
 def site_label(site: Any) -> str:

@@ -11,15 +11,17 @@ import inspect
 from typing import Any, Callable, Dict, Optional
 
 from ..core.errors import CallError
+from ..core.future import CallSite
 
 
-class MethodInfo:
-    __slots__ = ("name", "label", "nmin", "nmax", "sig", "simple", "strict")
+class MethodInfo(CallSite):
+    """A method's checks, and its call site (see :class:`CallSite`)."""
+
+    __slots__ = ("name", "nmin", "nmax", "sig", "simple")
 
     def __init__(self, cls: type, name: str, fn: Callable[..., Any], takes_self: bool = True):
+        super().__init__(f"{cls.__qualname__}.{name}")
         self.name = name
-        self.label = f"{cls.__qualname__}.{name}"
-        self.strict = 0  # see core.future.CallSite: a MethodInfo is a call site
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):

@@ -285,6 +285,7 @@ class Collective:
             for c in kids:
                 acc = self.op(acc, ups[c])
         except Exception as e:
+            self.ups = {}  # (what came is not kept: a large array may be a view of a ring)
             err = errors.CollectiveError(
                 f"{self.name}: the operation {getattr(self.op, '__qualname__', self.op)!r} "
                 f"failed on context {self.run.rank}: {type(e).__name__}: {e}")

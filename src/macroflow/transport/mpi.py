@@ -1745,6 +1745,12 @@ class MpiTransport(Transport):
         a frame was delivered."""
         got = False
         self._moved = False
+        natives = self._natives
+        if natives is not None and natives.pending:
+            # MPI's own collectives progress in every wait, not only in the
+            # engine's pollers: one that a rank joined late (as its function
+            # ended) must end while this context waits to close
+            natives.drive()
         if self.rins:
             got = self._rings()
             if got:
@@ -2014,8 +2020,12 @@ class MpiTransport(Transport):
                 while self.died:  # (MPI ended it: it will not answer)
                     self.broken = True
                     self.acked.add(self.died.pop(0)[0])
+                # MPI's own collectives still pending (one a rank joined late,
+                # as its function ended) are driven to their end: a rank that
+                # left one half done would hold every rank's disconnection
+                natives = self._natives is not None and self._natives.drive()
                 if not (any(p not in self.acked for p in self.leaving) or self.inflight
-                        or self.unfinished):
+                        or self.unfinished or natives):
                     self.lingered_out = False
                     break
                 if not self._progress() and not self._moved:
@@ -2312,6 +2322,8 @@ def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
     signal.signal(signal.SIGTERM, terminate)
     eng = None
     try:
+        from ..core.future import forget_learned
+        forget_learned()  # a rank serves one computation after another
         eng = Engine(transport.ctx, transport.size, transport, setup["placement"],
                      computation=setup["computation"])
         eng.describe_lost = lambda peer: ""  # the transport's words say it best here
@@ -2974,6 +2986,12 @@ class MpiCollectives:
                 value = None if dtype is None else np.zeros(shape, dtype)
                 joined.append(self.start(kind, value, op))
         return joined
+
+    def drive(self) -> bool:
+        """Make progress on the collectives started here; True while some
+        have not ended."""
+        self.pending = [c for c in self.pending if not c.test()]
+        return bool(self.pending)
 
     def close(self) -> None:
         """Free the duplicate communicator: MPI frees it once what is pending
