@@ -269,6 +269,8 @@ class Collective:
             self.try_up()
         elif phase == "d":
             self.down(payload)
+        elif phase == "f":  # it failed on context src (its op raised there)
+            _give_up(self, errors.CollectiveError(payload, missing=[src]), "failed")
         else:  # "r": a reduction's result, to its root
             self.complete(payload)
 
@@ -287,14 +289,16 @@ class Collective:
         except Exception as e:
             self.ups = {}  # (what came is not kept: a large array may be a view of a ring)
             err = errors.CollectiveError(
-                f"{self.name}: the operation {getattr(self.op, '__qualname__', self.op)!r} "
-                f"failed on context {self.run.rank}: {type(e).__name__}: {e}")
-            # the others wait for what this context will never send: the
-            # run's later collectives fail here, and when this context's
-            # function ends (even having caught this) the others learn why
-            if self.run.failed is None:
-                self.run.failed = err
-            self.fail(err)
+                f"{self.name}: the operation "
+                f"{self.opname or getattr(self.op, '__qualname__', self.op)!r} "
+                f"failed on context {self.run.rank}: {type(e).__name__}: {e}",
+                missing=[self.run.rank])
+            # the others wait for what this context will never send: they
+            # are told at once, and the run's later collectives fail here
+            for r in range(self.run.size):
+                if r != self.run.rank:
+                    self.send(r, "f", str(err))
+            _give_up(self, err, "failed")
             return
         self.ups = {}
         rank = self.run.rank

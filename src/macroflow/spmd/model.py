@@ -475,6 +475,10 @@ class SpmdModel(Model):
         self.early: "OrderedDict[Any, List[Tuple[int, tuple]]]" = OrderedDict()
         self.by_call: Dict[Any, Run] = {}  # the fid of a run's function here -> its run
         self.run_seq = itertools.count()
+        # runs started here that may use the transport's own collectives: one
+        # at a time (two runs' MPI collectives on one communicator would match
+        # each other's), and only context 0's, which every context follows
+        self.native_runs = 0
         self.counts = {"spmd_gets_direct": 0, "spmd_gets_window": 0, "spmd_gets_served": 0,
                        "spmd_gets_in_place": 0, "spmd_puts_direct": 0, "spmd_puts_served": 0,
                        "spmd_collectives": 0, "spmd_actions_served": 0}
@@ -524,11 +528,12 @@ class SpmdModel(Model):
 
     # ------------------------------------------------------------------ runs
     def run_main(self, run_id: Any, size: int, timeout: Optional[float], fn: Callable[..., Any],
-                 args: tuple, counters: Any = None) -> Any:
-        """A run's function, in this context (user code: the call kind runs it)."""
+                 args: tuple, counters: Any = None, native: bool = True) -> Any:
+        """A run's function, in this context (user code: the call kind runs it);
+        ``native``: the run may use the transport's own collectives."""
         eng = self.eng
         call = getcurrent().call
-        run = engine_side(eng, self._start, run_id, size, timeout, call.fid, counters)
+        run = engine_side(eng, self._start, run_id, size, timeout, call.fid, counters, native)
         failure = None
         try:
             value = fn(*args)
@@ -541,8 +546,10 @@ class SpmdModel(Model):
             engine_side(eng, self._end, run, failure)
 
     def _start(self, run_id: Any, size: int, timeout: Optional[float], fid: Any,
-               counters: Any = None) -> Run:
+               counters: Any = None, native: bool = True) -> Run:
         run = Run(run_id, size, self.eng.id, timeout)
+        if not native:
+            run.natives = None
         run.call_fid = fid
         self.onesided = env_onesided()  # a bad value fails the run at its start, everywhere
         # under MPI too, when the run has no more contexts than cores: measured

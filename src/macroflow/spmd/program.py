@@ -94,8 +94,24 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     if size > 1 and shmbarrier.problem() is None:
         counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), np.uint8)
         region = memory.describe(counters)
-    futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region), {}, r)
-               for r in range(size)]
+    # MPI's own collectives for one run at a time, started by context 0
+    # (nested runs, or runs started elsewhere, go by messages): every context
+    # of a run takes the path the run's starter chose
+    native = eng.id == 0 and not model.native_runs
+    model.native_runs += native
+    try:
+        futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region, native),
+                             {}, r) for r in range(size)]
+        return _results(fn, futures)
+    finally:
+        model.native_runs -= native
+        # the contexts that mapped them keep their mapping (and an error
+        # raised from here must not hold them)
+        counters = region = None  # noqa: F841
+
+
+def _results(fn: Callable[..., Any], futures: List[Any]) -> List[Any]:
+    """What each context's function returned; raise what went wrong."""
     results: List[Any] = []
     called = []
     failures = []
@@ -114,7 +130,6 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
         except Exception as e:
             failures.append((r, e))
             results.append(None)
-    del counters  # the contexts that mapped them keep their mapping
     if failures:
         raise _cause(failures)
     if None not in called and any(c[:2] != called[0][:2] for c in called):

@@ -3129,7 +3129,10 @@ def _reducible(value: Any, op: str, ranks: int) -> Tuple[Any, Any]:
     import numpy as np
     t = type(value)
     if t is np.ndarray:
-        return (value, None) if value.dtype.kind in "iuf" else (None, None)
+        if value.dtype.kind not in "iuf":
+            return None, None
+        # numpy combines 0-d arrays into a number (np.float64): so does the tree
+        return value, (_scalar if value.ndim == 0 else None)
     if t is float:
         return np.array(value), float
     if t is int:
