@@ -1869,6 +1869,12 @@ def _puts_of_python_values():
     fgp = mf.register(fmem)
     mf.put(fgp, [1.5, 2]).wait()
     out.append(fmem.tolist())
+    for data in (None, ["5", "6"], [None, 1.0]):  # stored NaN, 5 and 6, NaN and 1
+        try:
+            mf.put(fgp, data).wait()
+            out.append(fmem.tolist())
+        except TypeError as e:
+            out.append(str(e))
     return out
 
 
@@ -1877,4 +1883,9 @@ def test_a_put_of_values_the_memory_would_cut_short_is_refused():
     got = mf.spmd(_puts_of_python_values, n=1, transport="inproc")[0]
     assert "data holds float64 values, which int32 memory would cut short" in got[0]
     assert "data holds complex128 values, which int32 memory would cut short" in got[1]
-    assert got[2:] == [[1, 2, 3], [1, 0, 1], [1.5, 2.0]]
+    assert got[2:5] == [[1, 2, 3], [1, 0, 1], [1.5, 2.0]]
+    assert got[5:] == [
+        "mf.put(): data holds None, not numbers; put numbers, or an array of float32",
+        "mf.put(): data holds strings, not numbers; put numbers, or an array of float32",
+        "mf.put(): data holds values numpy keeps as object (None, or objects of mixed or other "
+        "types), not numbers; put numbers, or an array of float32"]

@@ -400,15 +400,32 @@ def _check_lossless(data: Any, dt: np.dtype) -> None:
         Traceback (most recent call last):
         ...
         TypeError: mf.put(): data holds float64 values, which int32 memory would cut short; convert them first if that is what you mean
+        >>> _check_lossless(None, np.dtype("float64"))
+        Traceback (most recent call last):
+        ...
+        TypeError: mf.put(): data holds None, not numbers; put numbers, or an array of float64
     """
     try:
         given = np.asarray(data).dtype
     except (TypeError, ValueError, OverflowError):
         return  # (np.asarray with the memory's dtype says what is wrong)
     kind, to = given.kind, np.dtype(dt).kind
+    if kind in "OSU" or (kind == "V" and to != "V"):
+        # None would be stored as NaN, "7" as 7: numpy converts what is no number
+        raise TypeError(f"mf.put(): data holds {_what(data, given)}, not numbers; put numbers, "
+                        f"or an array of {dt}")
     if (kind in "fc" and to in "iub") or (kind == "c" and to == "f"):
         raise TypeError(f"mf.put(): data holds {given} values, which {dt} "
                         f"memory would cut short; convert them first if that is what you mean")
+
+
+def _what(data: Any, given: np.dtype) -> str:
+    """How an error names values that are no numbers."""
+    if data is None:
+        return "None"
+    if given.kind in "SU":
+        return "strings"
+    return f"values numpy keeps as {given} (None, or objects of mixed or other types)"
 
 
 def _from_buffer(view: memoryview, gp: MemoryPointer) -> np.ndarray:
