@@ -385,3 +385,32 @@ def test_request_arguments_with_pointers_first_skip_the_pickle():
     back = marshal.loads_args(data, bufs)
     assert back[0] == short and back[2] == long and back[2].protocols == long.protocols
     assert back[0] is back[4] and back[3] == "rest" and np.array_equal(back[1], arr)
+
+
+ALIASED_SCRIPT = """
+import sys
+import macroflow as mf
+
+def square(self, x):
+    return x * x
+
+Alias = mf.regular(type("Dyn", (), {"square": square}))  # __main__ has no name Dyn
+
+def main():
+    return Alias.create(on=1).square(7).result(timeout=30)
+
+print(mf.run(main, contexts=2, transport=sys.argv[1]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_a_class_of_main_under_another_name_travels_on_every_transport(tmp_path, transport):
+    # inproc sent every class of __main__ by reference: this one failed to pickle
+    import subprocess
+    import sys
+    path = tmp_path / "aliased.py"
+    path.write_text(ALIASED_SCRIPT)
+    p = subprocess.run([sys.executable, str(path), transport], capture_output=True, text=True,
+                       timeout=100)
+    assert (p.returncode, p.stdout.strip()) == (0, "49"), p.stderr

@@ -74,10 +74,10 @@ def _needs_value(obj: Any) -> bool:
     if "<locals>" in qualname or "<lambda>" in qualname:
         return True
     module = getattr(obj, "__module__", None)
-    if module == "__main__":
-        if _main_snapshot is None:
-            return False
+    if module == "__main__" and _main_snapshot is not None:
         return _main_snapshot.get(qualname) is not obj
+    # (in one process, __main__ is the receiver's too: found there by its name
+    # it goes by reference; one made by type() under another name, by value)
     try:
         return not _ref_ok[obj]
     except (KeyError, TypeError):  # not seen yet, or not weakly referenceable
