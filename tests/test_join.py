@@ -426,3 +426,15 @@ def test_a_worker_computing_when_its_computation_dies_leaves_at_once(tmp_path):
     assert "context 1: the computation's context 0 was lost (connection closed (tcp)) " \
            "while a method computed here; leaving" in err
     assert took < 30  # the method would have computed for 100 s
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_contexts_a_computation_that_does_not_listen_cannot_get_is_refused(run):
+    # it waited for ever on local (DeadlockError on inproc, blaming a guard or a cycle)
+    def main():
+        with pytest.raises(ValueError, match=r"wait_contexts\(3\): the computation has 2 "
+                                             r"contexts and does not listen"):
+            mf.wait_contexts(3)
+        return mf.wait_contexts(2)
+
+    assert run(main, contexts=2) == 2

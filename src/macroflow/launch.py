@@ -660,7 +660,8 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
     joining over TCP, say), serving meanwhile; returns how many it has.
 
     Raises:
-        ValueError: ``n`` is not a positive int.
+        ValueError: ``n`` is not a positive int, or more than the computation
+            has while it does not listen (no context can join it).
         macroflow.TimeoutError: fewer than ``n`` after ``timeout`` seconds.
 
     Example:
@@ -685,6 +686,12 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
         # report one by one, in any order: one with a higher id may be first)
         return sum(1 for c in eng.context_ids() if c < s.size or c in eng.joined)
 
+    if ready() < n and not getattr(s.launcher, "joinable", False):
+        # only workers joining over TCP add contexts while main waits here
+        raise ValueError(f"wait_contexts({n}): the computation has {ready()} contexts and "
+                         f"does not listen, so none can join: start it with "
+                         f"mf.init(..., listen='HOST:PORT') for workers to join, or add "
+                         f"contexts with mf.add_contexts()")
     if not eng.driver.run_until(lambda: ready() >= n, deadline):
         raise errors.TimeoutError(f"wait_contexts: {ready()} contexts after "
                                   f"{timeout} s, not {n}")
@@ -1111,6 +1118,7 @@ def _listen_launcher(transport: str, listen: Any, secret: Optional[str],
 
     def make(session: "Session") -> "Launcher":
         launcher = TcpLauncher(session, f"{format_address(host, port)}", secret, contexts_tls)
+        launcher.joinable = True  # (transport="tcp" alone listens with a secret nobody knows)
         if not told:
             launcher.announce_secret = True
         return launcher
