@@ -144,8 +144,10 @@ def test_other_threads_are_refused(run):
             "callback": lambda: f.add_done_callback(print),
         }
         refused = {}
+        read = []
 
         def other():
+            read.append(f.done())  # only reads: allowed from any thread
             for name, attempt in attempts.items():
                 try:
                     attempt()
@@ -157,6 +159,7 @@ def test_other_threads_are_refused(run):
         t.join()
         assert sorted(refused) == sorted(attempts), refused
         assert all("thread" in msg for msg in refused.values())
+        assert read in ([True], [False])
         return m.square(5).result(), f.result()  # the computation is unharmed
 
     assert run(main, contexts=2) == (25, 4)

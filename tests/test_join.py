@@ -255,6 +255,21 @@ def test_the_worker_command_refuses_to_start_without_a_secret():
     assert r.returncode == 2 and "no secret" in r.stderr
 
 
+@pytest.mark.parametrize("extra,said", [
+    (("--bind", "192.0.2.1"), "--bind 192.0.2.1: this host cannot listen there"),
+    (("--tls-cert", "no-such.pem", "--tls-key", "no-such.key"),
+     "TLS certificate file 'no-such.pem' not found"),
+])
+def test_the_worker_command_names_a_bad_option_as_a_usage_error(extra, said):
+    # a --bind address of another host printed a traceback; a missing TLS file
+    # an error that named no file
+    env = {**os.environ, "MACROFLOW_SECRET": SECRET}
+    r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1",
+                        *extra], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and f"macroflow worker: error: {said}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_a_worker_that_cannot_reach_the_computation_says_so():
     r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1"],
                        capture_output=True, text=True, timeout=60,

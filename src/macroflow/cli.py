@@ -382,6 +382,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
 
 
+def _check_bind(host: str) -> None:
+    """OSError naming ``host`` if this host cannot listen there (an address of
+    another host, say): said before the worker connects, as a usage error.
+
+    Example:
+        >>> _check_bind("127.0.0.1")
+        >>> _check_bind("192.0.2.1")  # a documentation address, on no host
+        Traceback (most recent call last):
+        ...
+        OSError: --bind 192.0.2.1: this host cannot listen there ([Errno 99] Cannot assign requested address)
+    """
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.bind(addr)
+    except OSError as e:
+        raise OSError(f"--bind {host}: this host cannot listen there ({e})") from None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from macroflow.join import tls_contexts, worker_main
     from macroflow.transport.tcp import load_secret, parse_address
@@ -389,6 +410,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         parse_address(args.connect)
         secret = load_secret(args.secret_file)
         tls = tls_contexts(args.tls_cert, args.tls_key)
+        if args.bind is not None:
+            _check_bind(args.bind)
     except (ValueError, OSError) as e:
         args.parser.error(str(e))
     if args.secret_file is None and not os.environ.get("MACROFLOW_SECRET") \

@@ -70,11 +70,18 @@ def tls_contexts(cert: Optional[str], key: Optional[str]) -> Tuple[Optional[ssl.
         Traceback (most recent call last):
         ...
         ValueError: TLS needs both a certificate and its key (--tls-cert and --tls-key)
+        >>> tls_contexts("no-such-cert.pem", "no-such-key.pem")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: TLS certificate file 'no-such-cert.pem' not found
     """
     if cert is None and key is None:
         return None, None
     if cert is None or key is None:
         raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+    for what, path in (("certificate", cert), ("key", key)):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"TLS {what} file {path!r} not found")
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(cert, key)
     server.verify_mode = ssl.CERT_REQUIRED

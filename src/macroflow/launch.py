@@ -1031,9 +1031,10 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
     Args:
         contexts: number of contexts, this one included (default: CPU count;
             under mpiexec: the number of ranks, which it must equal).
-        transport: "local" (processes on this host), "inproc" (one process)
-            or "mpi" (MPI ranks: this mpiexec job's, or spawned ones);
-            default "mpi" under mpiexec, "local" elsewhere.
+        transport: "local" (processes on this host), "inproc" (one process),
+            "tcp" (processes on this host that talk TCP over loopback) or
+            "mpi" (MPI ranks: this mpiexec job's, or spawned ones); default
+            "mpi" under mpiexec, "local" elsewhere.
         placement: a policy name ("round-robin", "random",
             "best-most-recently") or a :class:`macroflow.Placement`.
         spin_us: how long, in microseconds, an idle context polls before it
