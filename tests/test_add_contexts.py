@@ -185,6 +185,23 @@ def test_local_adds_contexts_while_main_has_threads():
     assert mf.run(main, contexts=2, transport="local") == 2
 
 
+@pytest.mark.timeout(60)
+def test_local_fork_server_killed_makes_add_contexts_say_so_and_the_rest_goes_on():
+    # it raised a bare BrokenPipeError
+    from macroflow.launch import _main_session
+
+    def main():
+        server = _main_session("test").launcher.server
+        os.kill(server.pid, signal.SIGKILL)
+        os.waitpid(server.pid, 0)  # (it is this process's child)
+        with pytest.raises(RuntimeError, match=r"the fork server that makes this computation's "
+                                               r"new contexts \(process \d+\) has ended"):
+            mf.add_contexts(1)
+        return [c.id for c in mf.contexts()], Where.create(on=1).here().result(timeout=30)
+
+    assert mf.run(main, contexts=2, transport="local") == ([0, 1], 1)
+
+
 def test_local_new_context_killed_fails_its_futures_and_the_rest_goes_on():
     def main():
         (new,) = mf.add_contexts(1)

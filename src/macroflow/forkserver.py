@@ -86,8 +86,17 @@ class ForkServer:
         self.closed = False
 
     def fork(self, ctx: int, child_sock: socket.socket, blob: bytes) -> None:
-        """Ask for context ``ctx``; :meth:`pid_of` tells when it is forked."""
-        socket.send_fds(self.sock, [pickle.dumps(("fork", ctx, blob))], [child_sock.fileno()])
+        """Ask for context ``ctx``; :meth:`pid_of` tells when it is forked.
+        RuntimeError if the server has ended (killed, say)."""
+        try:
+            socket.send_fds(self.sock, [pickle.dumps(("fork", ctx, blob))], [child_sock.fileno()])
+        except OSError as e:
+            raise RuntimeError(self._ended(e)) from None
+
+    def _ended(self, e: BaseException) -> str:
+        return (f"the fork server that makes this computation's new contexts (process "
+                f"{self.pid}) has ended ({e}): no context can be added any more; the contexts "
+                f"already running go on")
 
     def _read(self, timeout: float) -> bool:
         r, _, _ = select.select([self.sock], [], [], max(timeout, 0.0))
@@ -113,7 +122,10 @@ class ForkServer:
                 raise OSError(self.errors.pop(ctx))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the fork server did not start context {ctx} in {timeout} s")
-            self._read(deadline - time.monotonic())
+            try:
+                self._read(deadline - time.monotonic())
+            except ConnectionError as e:
+                raise RuntimeError(self._ended(e)) from None
         return self.pids[ctx]
 
     def exit_status(self, ctx: int, timeout: float) -> Optional[int]:

@@ -711,7 +711,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     Raises:
         ValueError: ``n`` is not a positive int, ``init`` is not callable, or
             the transport cannot add contexts.
-        RuntimeError: called inside a method, or not on context 0.
+        RuntimeError: called inside a method, or not on context 0; or (on
+            ``local``) the fork server that makes new contexts has ended.
         MacroflowError: ``init`` raised in a new context (with its traceback;
             that context is not used, the others are).
         ContextLost: a new context died before it reported in.
