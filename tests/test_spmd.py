@@ -1889,3 +1889,21 @@ def test_a_put_of_values_the_memory_would_cut_short_is_refused():
         "mf.put(): data holds strings, not numbers; put numbers, or an array of float32",
         "mf.put(): data holds values numpy keeps as object (None, or objects of mixed or other "
         "types), not numbers; put numbers, or an array of float32"]
+
+
+def _unknown_handler():
+    if mf.rank() == 0:
+        try:
+            mf.remote_action(1, "no-such-handler").wait()
+        except mf.CallError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_action_by_an_unknown_name_says_where_to_register_it(transport):
+    said = mf.spmd(_unknown_handler, n=2, transport=transport)[0]
+    assert "no remote action handler named 'no-such-handler' on context 1" in said
+    # (spawned MPI ranks and joined workers do not run __main__, where the
+    # program registered it: the hint said "at import", which it was)
+    assert "do not run the program's __main__" in said

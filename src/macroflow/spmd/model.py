@@ -440,7 +440,10 @@ def _run_action(handler: Any, args: tuple, kwargs: dict) -> Any:
             raise errors.CallError(f"no remote action handler named {handler!r} on context "
                                    f"{current_engine().id} (registered: {sorted(HANDLERS)}); "
                                    f"register it with mf.register_handler({handler!r}, fn) in "
-                                   f"every context (at import)")
+                                   f"every context, at import of a module they all import "
+                                   f"(ranks spawned by the mpi transport, and workers that "
+                                   f"joined over TCP, do not run the program's __main__), "
+                                   f"or pass the function itself")
         handler = fn
     value = handler(*args, **kwargs)
     if type(value) is CoroutineType:  # an async def handler: run it here, as a method is

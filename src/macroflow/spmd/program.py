@@ -292,7 +292,10 @@ def remote_action(rank: int, handler: Any, *args: Any) -> Handle:
 def register_handler(name: str, fn: Callable[..., Any]) -> None:
     """Name a remote action handler, so ``mf.remote_action(rank, name, ...)``
     finds it. Register it in every context: at import of a module they all
-    import, or before the computation starts (forked contexts inherit it).
+    import, or before the computation starts (forked contexts inherit it;
+    ranks spawned by the mpi transport and workers that join over TCP do not
+    run the program's ``__main__``, so there only a module they import
+    registers it). Passing the function itself works everywhere.
 
     Example:
         >>> import macroflow as mf
