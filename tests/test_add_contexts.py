@@ -95,15 +95,15 @@ def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not
     assert places == {1, 3}
 
 
-@pytest.mark.parametrize("n, init, match", [
-    (0, None, "n must be a positive int; got 0"),
-    ("2", None, "n must be a positive int; got '2'"),
-    (True, None, "n must be a positive int; got True"),
-    (1, 42, "init must be a function of the context id, or None; got 42"),
+@pytest.mark.parametrize("n, init, error, match", [
+    (0, None, ValueError, "n must be a positive int; got 0"),
+    ("2", None, TypeError, "n must be a positive int; got '2'"),
+    (True, None, TypeError, "n must be a positive int; got True"),
+    (1, 42, ValueError, "init must be a function of the context id, or None; got 42"),
 ])
-def test_bad_arguments_are_refused(run, n, init, match):  # noqa: D103
+def test_bad_arguments_are_refused(run, n, init, error, match):  # noqa: D103
     def main():
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             mf.add_contexts(n, init=init)
         return mf.num_contexts()
 

@@ -593,10 +593,14 @@ def test_counts_computed_with_numpy_are_taken_and_bools_are_not():
     import numpy as np
     assert mf.run(mf.num_contexts, contexts=np.int64(2), transport="inproc") == 2
     assert mf.spmd(mf.rank, n=np.int32(2), transport="inproc") == [0, 1]
-    with pytest.raises(ValueError, match="contexts must be a positive int"):
+    with pytest.raises(TypeError, match="contexts must be a positive int"):
         mf.run(mf.num_contexts, contexts=True, transport="inproc")
-    with pytest.raises(ValueError, match="n must be a positive int"):
+    with pytest.raises(TypeError, match="n must be a positive int"):
         mf.spmd(mf.rank, n=2.0, transport="inproc")
+    with pytest.raises(TypeError, match="contexts must be a positive int; got '2'"):
+        mf.run(mf.num_contexts, contexts="2", transport="inproc")
+    with pytest.raises(ValueError, match="contexts must be a positive int; got 0"):
+        mf.run(mf.num_contexts, contexts=0, transport="inproc")
 
 
 def test_contexts_added_by_a_numpy_count():

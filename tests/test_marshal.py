@@ -203,6 +203,9 @@ class Keeper:
     def take(self, x):
         return x
 
+    def make(self):
+        return Unrebuildable()
+
 
 @mf.regular
 class Taker:
@@ -414,3 +417,15 @@ def test_a_class_of_main_under_another_name_travels_on_every_transport(tmp_path,
     p = subprocess.run([sys.executable, str(path), transport], capture_output=True, text=True,
                        timeout=100)
     assert (p.returncode, p.stdout.strip()) == (0, "49"), p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_result_the_receiver_cannot_unpickle_names_that_context(run):
+    def main():
+        try:
+            Keeper.create(on=1).make().result(timeout=30)
+        except mf.CallError as e:
+            return str(e)
+
+    said = run(main, contexts=2)
+    assert said.startswith("a value could not be unpickled on context 0: ValueError"), said

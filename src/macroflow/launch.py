@@ -660,8 +660,9 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
     joining over TCP, say), serving meanwhile; returns how many it has.
 
     Raises:
-        ValueError: ``n`` is not a positive int, or more than the computation
-            has while it does not listen (no context can join it).
+        TypeError: ``n`` is not an int.
+        ValueError: ``n`` is below 1, or more than the computation has while
+            it does not listen (no context can join it).
         macroflow.TimeoutError: fewer than ``n`` after ``timeout`` seconds.
 
     Example:
@@ -671,10 +672,7 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
     """
     from .core import errors
     from .core.context import check_timeout
-    k = _ctx.as_int(n)
-    if k is None or k < 1:
-        raise ValueError(f"wait_contexts: n must be a positive int; got {n!r}")
-    n = k
+    n = _ctx.positive_count(n, "wait_contexts: n")
     timeout = check_timeout(timeout)
     s = _main_session("mf.wait_contexts()")
     eng = s.engine
@@ -709,7 +707,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     as copies of this program as it was at start-up.
 
     Raises:
-        ValueError: ``n`` is not a positive int, ``init`` is not callable, or
+        TypeError: ``n`` is not an int.
+        ValueError: ``n`` is below 1, ``init`` is not callable, or
             the transport cannot add contexts.
         RuntimeError: called inside a method, or not on context 0; or (on
             ``local``) the fork server that makes new contexts has ended.
@@ -728,10 +727,7 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         ([2, 3], 4)
     """
     from .core import errors
-    k = _ctx.as_int(n)
-    if k is None or k < 1:
-        raise ValueError(f"add_contexts: n must be a positive int; got {n!r}")
-    n = k
+    n = _ctx.positive_count(n, "add_contexts: n")
     if init is not None and not callable(init):
         raise ValueError(f"add_contexts: init must be a function of the context id, or None; "
                          f"got {init!r}")
@@ -1078,10 +1074,7 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         raise RuntimeError("a macroflow computation is already running in this process; "
                            "shut it down first (mf.shutdown())")
     if contexts is not None:
-        k = _ctx.as_int(contexts)
-        if k is None or k < 1:
-            raise ValueError(f"contexts must be a positive int; got {contexts!r}")
-        contexts = k
+        contexts = _ctx.positive_count(contexts, "contexts")
     transport, contexts = choose_transport(transport, contexts)
     module = load_transport(transport)
     from .core.threads import service_setting

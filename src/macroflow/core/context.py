@@ -1407,7 +1407,8 @@ class Engine:
         try:
             value = _ploads(data, buffers=bufs)  # marshal.loads
         except Exception as e:
-            ok, value = False, errors.CallError(f"a value could not be unpickled here: {e!r}")
+            ok, value = False, errors.CallError(f"a value could not be unpickled on context "
+                                                f"{self.id}: {e!r}")
         if not ok:
             value = _restore_exception(value)
         if label[1] is None:
@@ -2017,6 +2018,30 @@ def as_int(value: Any) -> Optional[int]:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def positive_count(value: Any, what: str) -> int:
+    """``value`` as an int >= 1 (a numpy integer too): a TypeError names what
+    is no integer (a bool, a float, a str), a ValueError one below 1.
+
+    Example:
+        >>> positive_count(2, "n")
+        2
+        >>> positive_count("2", "mf.spmd(): n")
+        Traceback (most recent call last):
+        ...
+        TypeError: mf.spmd(): n must be a positive int; got '2'
+        >>> positive_count(0, "contexts")
+        Traceback (most recent call last):
+        ...
+        ValueError: contexts must be a positive int; got 0
+    """
+    k = as_int(value)
+    if k is None:
+        raise TypeError(f"{what} must be a positive int; got {value!r}")
+    if k < 1:
+        raise ValueError(f"{what} must be a positive int; got {value!r}")
+    return k
 
 
 def check_timeout(timeout: Any) -> Optional[float]:

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from ..core import errors, marshal
-from ..core.context import as_int, current_engine
+from ..core.context import as_int, current_engine, positive_count
 from ..core.future import CallSite, Future, running_computation
 from ..core.threads import getcurrent
 from . import memory, shmbarrier
@@ -54,10 +54,7 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
     if not callable(fn):
         raise TypeError(f"mf.spmd(): fn must be callable; got {type(fn).__name__}")
     if n is not None:
-        k = as_int(n)
-        if k is None or k < 1:
-            raise ValueError(f"mf.spmd(): n must be a positive int; got {n!r}")
-        n = k
+        n = positive_count(n, "mf.spmd(): n")
     if timeout is None:
         timeout = env_timeout()
     else:
