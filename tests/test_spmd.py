@@ -1907,3 +1907,23 @@ def test_a_remote_action_by_an_unknown_name_says_where_to_register_it(transport)
     # (spawned MPI ranks and joined workers do not run __main__, where the
     # program registered it: the hint said "at import", which it was)
     assert "do not run the program's __main__" in said
+
+
+def _async_barrier_against_allreduce():
+    try:
+        if mf.rank() == 0:
+            return mf.barrier_async().result(timeout=30)
+        return mf.allreduce(1, timeout=30)
+    except mf.CollectiveError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(90)
+def test_a_mismatch_names_barrier_async_as_called(transport):
+    # Under MPI, where both wait in MPI's collectives and the status check
+    # finds the mismatch, it was named mf.barrier(). Elsewhere the context that
+    # saw the other's message failed at once, and the other waited until its
+    # timeout: it is told at once now.
+    said = mf.spmd(_async_barrier_against_allreduce, n=2, transport=transport)
+    assert all("mf.barrier_async()" in s and "mf.allreduce()" in s for s in said), said
+    assert not any("mf.barrier()" in s for s in said), said

@@ -249,17 +249,21 @@ class Collective:
 
     def message(self, src: int, msg: tuple) -> None:
         _, _, seq, kind, phase, payload, root = msg
-        if kind != self.kind:
-            self.fail(errors.CollectiveError(
+        if phase == "f":  # it failed on context src (its op raised, or it saw a mismatch)
+            text, missing = payload
+            _give_up(self, errors.CollectiveError(text, missing=missing), "failed")
+            return
+        if kind != self.kind or root != self.root:
+            err = errors.CollectiveError(
                 f"{self.name}: context {src} called mf.{kind}() as collective #{seq + 1} of "
                 f"the run, where context {self.run.rank} called {self.name}: every context "
-                f"must call the same collectives in the same order"))
-            return
-        if root != self.root:
-            self.fail(errors.CollectiveError(
+                f"must call the same collectives in the same order" if kind != self.kind else
                 f"{self.name}: context {src} gave root={root} to collective #{seq + 1} of the "
                 f"run, context {self.run.rank} root={self.root}: every context must give the "
-                f"same root"))
+                f"same root", missing=[])
+            # src may wait for a message of ours that will never come: told at once
+            self.send(src, "f", (str(err), []))
+            _give_up(self, err, "did not match another context's")
             return
         if self.native:  # a context that left MPI's collective first: kept for the tree
             self.run.early.setdefault(self.seq, []).append((src, msg))
@@ -269,8 +273,6 @@ class Collective:
             self.try_up()
         elif phase == "d":
             self.down(payload)
-        elif phase == "f":  # it failed on context src (its op raised there)
-            _give_up(self, errors.CollectiveError(payload, missing=[src]), "failed")
         else:  # "r": a reduction's result, to its root
             self.complete(payload)
 
@@ -297,7 +299,7 @@ class Collective:
             # are told at once, and the run's later collectives fail here
             for r in range(self.run.size):
                 if r != self.run.rank:
-                    self.send(r, "f", str(err))
+                    self.send(r, "f", (str(err), err.missing))
             _give_up(self, err, "failed")
             return
         self.ups = {}
@@ -482,6 +484,17 @@ def _op_name(op: Any) -> str:
     return f"{getattr(op, '__module__', '')}.{getattr(op, '__qualname__', type(op).__name__)}"
 
 
+def function_of(c: Collective) -> str:
+    """The function of ``mf`` that made collective ``c`` (``barrier_async``
+    makes a barrier), as errors name it.
+
+    Example:
+        >>> function_of(type("C", (), {"name": "mf.barrier_async()"})())
+        'barrier_async'
+    """
+    return c.name[3:].split("(", 1)[0]
+
+
 def label(kind: str, root: int, op: Optional[str] = None) -> str:
     """How errors name a collective: its function, its root if it has one,
     and a reduction's ``op`` if given.
@@ -608,13 +621,13 @@ def _mismatch(c: Collective) -> Optional[errors.CollectiveError]:
     run, in another collective (or the same with another root); None if none
     does."""
     _ask(c)
-    mine = label(c.kind, c.root)
+    mine = label(function_of(c), c.root)
     for r, got in sorted(c.run.status.items()):
-        for seq, kind, root in got[2]:
+        for seq, kind, root, fn in got[2]:
             if seq == c.seq and (kind, root) != (c.kind, c.root):
                 return errors.CollectiveError(
                     f"{c.name} (collective #{c.seq + 1} of the run): context {c.run.rank} "
-                    f"called {mine} where context {r} called {label(kind, root)}; every "
+                    f"called {mine} where context {r} called {label(fn, root)}; every "
                     f"context must call the same collectives, with the same root, in the "
                     f"same order", missing=[])
     return None

@@ -13,9 +13,10 @@ GET           (op, request, ident, byte offset, nbytes): read registered memory
 PUT           (op, request, ident, byte offset, data): write registered memory,
               answer with MEMREPLY; served even while a method computes
 MEMREPLY      (op, request, ok, data or error): completes a get or put handle
-COLL          (op, run, seq, kind, phase, payload): one step of collective
+COLL          (op, run, seq, kind, phase, payload, root): one step of collective
               number ``seq`` of a run (phase "u" up the tree, "d" down it,
-              "r" a reduction's result to its root)
+              "r" a reduction's result to its root, "f" (error text, missing):
+              it failed on the sender, whose op raised or who saw a mismatch)
 ENDED         (op, run, rank, entered, failure, natives, missing): a context's
               function of the run ended after entering ``entered`` collectives;
               natives: the transport's own collectives it started and has not
@@ -23,7 +24,8 @@ ENDED         (op, run, rank, entered, failure, natives, missing): a context's
               caught a collective's failure, the contexts that one named
 STATUS        (op, run, asker): how far are you? (a timed-out collective
               asks, to name who did not arrive); served while computing
-STATUS_REPLY  (op, run, rank, entered, in what collective)
+STATUS_REPLY  (op, run, rank, entered, where, waiting: (seq, kind, root, function)
+              of each collective it waits in)
 REVOKED       (op, request, ident): the sender unregistered the memory
               ``ident``; the receiver stops copying it directly and answers
               with MEMREPLY (served while computing)
@@ -808,7 +810,9 @@ def _serve_status(eng: Engine, src: int, msg: tuple) -> None:
         where = (f"waits in collective #{pending[-1] + 1} ({run.colls[pending[-1]].name})"
                  if pending else ("has ended its function" if run.call_fid not in model.by_call
                                   else "computes"))
-        waiting = tuple((seq, run.colls[seq].kind, run.colls[seq].root) for seq in pending)
+        from .collectives import function_of
+        waiting = tuple((seq, c.kind, c.root, function_of(c))
+                        for seq, c in ((seq, run.colls[seq]) for seq in pending))
     model.send(src, (STATUS_REPLY, msg[1], eng.id, entered, where, waiting))
 
 
