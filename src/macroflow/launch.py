@@ -265,6 +265,9 @@ class Launcher:
     remote = True
     #: True where a context may leave while the computation runs (remove_context)
     removable = False
+    #: True where workers of other hosts may join (mf.init(listen=...)): only
+    #: then may mf.wait_contexts wait for more contexts than there are
+    joinable = False
 
     def __init__(self, session: "Session") -> None:
         self.session = session
@@ -684,7 +687,7 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
         # report one by one, in any order: one with a higher id may be first)
         return sum(1 for c in eng.context_ids() if c < s.size or c in eng.joined)
 
-    if ready() < n and not getattr(s.launcher, "joinable", False):
+    if ready() < n and not s.launcher.joinable:
         # only workers joining over TCP add contexts while main waits here
         raise ValueError(f"wait_contexts({n}): the computation has {ready()} contexts and "
                          f"does not listen, so none can join: start it with "

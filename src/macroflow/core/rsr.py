@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Callable, Tuple
 
 from . import errors, marshal
-from .context import RSR, RSR_NOW, current_engine, rsr_frame
+from .context import MISSING, RSR, RSR_NOW, current_engine, rsr_frame
 from .future import current_engine_of
 from .gptr import GlobalPointer
 
@@ -36,9 +36,6 @@ def export(obj: Any) -> GlobalPointer:
     ident = eng.new_fid()
     eng.exports[ident] = obj
     return GlobalPointer(eng.id, "export", ident, protocols_of(eng, eng.id), eng.computation)
-
-
-_GONE = object()
 
 
 def unexport(gptr: GlobalPointer) -> None:
@@ -64,7 +61,7 @@ def unexport(gptr: GlobalPointer) -> None:
                          f"with mf.export(); a persistent object ends with mf.destroy(handle)")
     if gptr.context != eng.id:
         raise ValueError(f"{gptr!r} names context {gptr.context}, not this one ({eng.id})")
-    if eng.exports.pop(gptr.ident, _GONE) is _GONE:
+    if eng.exports.pop(gptr.ident, MISSING) is MISSING:
         # as `del d[k]` does: a second unexport is a mistake (which pointer
         # was meant?), not something to pass over
         raise ValueError(f"mf.unexport(): {gptr!r} names nothing in context {eng.id}: it was "

@@ -811,8 +811,8 @@ def _serve_status(eng: Engine, src: int, msg: tuple) -> None:
                  if pending else ("has ended its function" if run.call_fid not in model.by_call
                                   else "computes"))
         from .collectives import function_of
-        waiting = tuple((seq, c.kind, c.root, function_of(c))
-                        for seq, c in ((seq, run.colls[seq]) for seq in pending))
+        waiting = tuple((c.seq, c.kind, c.root, function_of(c))
+                        for c in (run.colls[seq] for seq in pending))
     model.send(src, (STATUS_REPLY, msg[1], eng.id, entered, where, waiting))
 
 

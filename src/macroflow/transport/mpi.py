@@ -2021,9 +2021,10 @@ class MpiTransport(Transport):
                     self.broken = True
                     self.acked.add(self.died.pop(0)[0])
                 # MPI's own collectives still pending (one a rank joined late,
-                # as its function ended) are driven to their end: a rank that
-                # left one half done would hold every rank's disconnection
-                natives = self._natives is not None and self._natives.drive()
+                # as its function ended) are driven to their end (by
+                # _progress, below): a rank that left one half done would
+                # hold every rank's disconnection
+                natives = self._natives is not None and bool(self._natives.pending)
                 if not (any(p not in self.acked for p in self.leaving) or self.inflight
                         or self.unfinished or natives):
                     self.lingered_out = False
