@@ -228,3 +228,55 @@ def test_a_guard_that_raises_one_exception_object_again_gets_one_note(run):
     notes, here = run(main, contexts=2)
     if hasattr(_NOT_READY, "add_note"):
         assert notes == [["raised by the guard of _SameError.m()"]] * 3
+
+
+@mf.persistent
+class _Other:
+    def ok(self):
+        return True
+
+
+@mf.persistent
+class _WaitsInGuard:
+    def __init__(self, other):
+        self.other, self.me, self.ran = other, None, 0
+
+    def set_me(self, me):
+        self.me = me
+
+    @mf.guard(lambda self: self.other.ok().result(30))  # waits: refused when evaluated
+    def g(self, i):
+        self.ran += 1
+        return i
+
+    @mf.guard(lambda self: self.me.mine().result(30))  # waits for its own object
+    def h(self):
+        return "h"
+
+    def mine(self):
+        return True
+
+    def count(self):
+        return self.ran
+
+
+def test_a_guard_that_waits_fails_its_call_and_the_object_goes_on(run):
+    # a guard is evaluated while its object looks for its next call: a wait
+    # there let the object look again with the guard half evaluated (its
+    # engine then failed on its queue) or stepped the engine inside the guard
+    def main():
+        w = _WaitsInGuard.create(_Other.create(on=2), on=1)
+        w.set_me(w)
+        calls = [w.g(i) for i in range(3)] + [w.h()]
+        errors = []
+        for f in calls:
+            with pytest.raises(mf.DeadlockError) as info:
+                f.result(30)
+            errors.append(str(info.value))
+        return errors, w.count().result(30), w.mine().result(30)
+
+    errors, ran, alive = run(main, contexts=3)
+    assert [e.split(" waits")[0] for e in errors] == \
+        ["the guard of _WaitsInGuard.g()"] * 3 + ["the guard of _WaitsInGuard.h()"]
+    assert "must not wait" in errors[0] and "_Other.ok" in errors[0]
+    assert (ran, alive) == (0, True)

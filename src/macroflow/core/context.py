@@ -289,6 +289,7 @@ class Engine:
         self.stopping = False
         self.dispatching = False
         self.in_inline = False
+        self.in_guard: Optional[str] = None  # the method whose guard is being evaluated
         # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
         # while this context's thread runs user code, `epoch` counts the times
         # it started to, `serving` is the thread serving now (0: none)
@@ -692,6 +693,8 @@ class Engine:
             raise errors.DeadlockError(
                 "a remote service request handler run inline or at once cannot wait; "
                 "use thread='new'")
+        if self.in_guard is not None:
+            self.guard_waits(f"for {f!r}")
         w = getcurrent()
         if isinstance(w, Worker):
             call = w.call
@@ -804,13 +807,27 @@ class Engine:
 
     def park(self) -> Any:
         """Switch from a worker back to the engine until a Waiter wakes it."""
+        if self.in_guard is not None:
+            self.guard_waits("")
         return self.root.switch(PARKED)
+
+    def guard_waits(self, what: str) -> None:
+        """Raise the error of a guard that waits (``what``: for what). A guard
+        is evaluated while its object looks for its next call: were it to
+        wait, the object would look again meanwhile (with the guard half
+        evaluated), or the engine would step inside the guard."""
+        raise errors.DeadlockError(
+            f"the guard of {self.in_guard} waits{' ' + what if what else ''}: a guard is "
+            f"evaluated while its object looks for its next call, and must not wait. Keep "
+            f"what it needs in the object's state (a method can fetch it)")
 
     def add_timer(self, timeout: float, waiter: Waiter) -> None:
         heapq.heappush(self.timers, (time.monotonic() + timeout, id(waiter), waiter))
 
     # ------------------------------------------------------------------ the loop
     def run_until(self, pred: Callable[[], bool], deadline: Optional[float] = None) -> bool:
+        if self.in_guard is not None and not pred():
+            self.guard_waits("")
         while not pred():
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -1708,6 +1725,8 @@ class Engine:
         them all have a turn first."""
         if self.user and self.serving != _get_ident():
             return self._from_user(self.yield_now, after_round)
+        if self.in_guard is not None:
+            self.guard_waits("(it polls)")
         w = getcurrent()
         if isinstance(w, Worker) and w.engine is self:
             if after_round:

@@ -279,6 +279,7 @@ class ObjectHost(Model):
                 guard = meth.__mf_guard__
                 st.calls_examined += 1
                 st.guards_evaluated += 1
+                eng.in_guard = f"{obj.label}.{call.method}()"  # a wait in it raises
                 try:
                     # bool() here: a value without a truth value (a numpy array) fails the call
                     if meth.__mf_guard_args__:
@@ -287,8 +288,10 @@ class ObjectHost(Model):
                     else:
                         ok = bool(guard(obj.instance))
                 except INTERRUPTS:
+                    eng.in_guard = None
                     raise
                 except BaseException as e:  # a failing guard fails its call
+                    eng.in_guard = None
                     note = f"raised by the guard of {obj.label}.{call.method}()"
                     if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
                         e.add_note(note)  # (3.11 on) its message may not say it was the guard
@@ -297,6 +300,7 @@ class ObjectHost(Model):
                     eng._finish(call, False, e)
                     failed = True
                     break  # look again: the list changed
+                eng.in_guard = None
                 if ok:
                     del gready[i]
                     obj.queued -= 1
