@@ -1,6 +1,7 @@
 """Instantiation managers: transfer policy, transfer limit, location policies, on=."""
 
 import collections
+import time
 
 import pytest
 
@@ -158,3 +159,26 @@ def test_transfer_limit_zero_is_refused():
 def test_placement_numbers_must_be_ints(arg, value):
     with pytest.raises(TypeError, match=f"{arg} must be an int >= ., not {type(value).__name__}"):
         Placement(**{arg: value})
+
+
+@mf.regular
+class Sleeper:
+    def ctx(self, s):
+        time.sleep(s)  # computes: its context serves value requests meanwhile
+        return mf.context_id()
+
+
+@pytest.mark.parametrize("limit", [3, 5])
+def test_calls_passed_round_busy_contexts_are_answered_not_called_a_cycle(run, limit):
+    # A context computing serves value requests while the calls it received
+    # wait in its inbox. A call passed on from it may come back and wait there:
+    # a request served meanwhile followed the alias it left, round the contexts
+    # the call went through and back to it, where it was taken for a cycle of
+    # futures (DeadlockError on nearly every run, local and tcp from limit 3).
+    def main():
+        return collections.Counter(mf.gather([Sleeper().ctx(0.02) for _ in range(12)],
+                                             timeout=30))
+
+    ran = run(main, contexts=3,
+              placement=Placement("round-robin", threshold=0, transfer_limit=limit))
+    assert sum(ran.values()) == 12

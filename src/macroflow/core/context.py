@@ -175,7 +175,7 @@ class Slot:
     """A result held at its home: pending, done (pickled once), or aliased elsewhere."""
 
     __slots__ = ("state", "ok", "data", "bufs", "subs", "alias", "keep", "released",
-                 "served", "expect", "call")
+                 "served", "expect", "call", "returns")
 
     def __init__(self):
         self.state = PENDING
@@ -189,6 +189,7 @@ class Slot:
         self.served = 0  # arc requests answered (or relayed)
         self.expect = 0  # arc requests the issuer announced when it released
         self.call: Optional[Call] = None  # the invocation computing it, while it runs here
+        self.returns = 0  # times its call came back here after it was passed on
 
 
 _CORE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1116,6 +1117,7 @@ class Engine:
         slot.alias = None
         slot.subs = []
         slot.served = 0
+        slot.returns += 1  # an alias it gets next is another one (see _on_forward)
 
     def _invoke(self, fn, call: Call, *pre) -> None:
         if fn is None:
@@ -1375,7 +1377,9 @@ class Engine:
                     slot.subs.append((dest, label))
                 return
             to_fid, home = alias
-            here = (self.id, fid)
+            # (a call passed on may come back and be passed on again: a request
+            # chasing it meets this alias again, a new one, which is no cycle)
+            here = (self.id, fid, slot.returns)
             if trail is None:
                 trail = (here, 0, 1)
             else:
@@ -1793,8 +1797,25 @@ class Engine:
             print(f"macroflow: context {self.id} could not decode a message from "
                   f"context {src}: {e!r}", file=sys.stderr)
             return True
-        served(self, src, msg)
-        return True
+        return served(self, src, msg) is not False  # False: it waits for its turn
+
+    def _call_queued(self, fid: Any) -> bool:
+        """Whether the call ``fid`` waits in the inbox (while busy: calls
+        wait for the method that computes, and what is served meanwhile
+        passes them)."""
+        for _src, bufs, _load in self.inbox:
+            if type(bufs) is tuple:  # a call to itself, queued decoded
+                msg = bufs
+            elif _peek_op(bufs[0]) == CALL:
+                try:
+                    msg = marshal.loads(bufs[0], bufs[1:])
+                except Exception:
+                    continue
+            else:
+                continue
+            if msg[0] == CALL and msg[1] == fid:
+                return True
+        return False
 
     def resolve(self, gid) -> Any:
         kind, ident = gid
@@ -2117,7 +2138,8 @@ HANDLERS: Dict[int, Handler] = {}
 #: do not add to it directly. A handler here must not run user code that may
 #: wait, switch lightweight threads or start a method; it may run in the
 #: service thread (see macroflow.core.threads). The engine's own loop
-#: dispatches these opcodes to the same handlers.
+#: dispatches these opcodes to the same handlers (FORWARD's has one of its own
+#: here); one that returns False leaves its message in the inbox, in order.
 SERVED_WHILE_BUSY: Dict[int, Handler] = {}
 
 _OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
@@ -2456,6 +2478,20 @@ def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_forward(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
 
 
+def _serve_forward_busy(eng: Engine, src: int, msg: tuple) -> Optional[bool]:
+    # While a method computes: a request that would follow the alias left by
+    # a call passed on, when that call has come back and waits in the inbox
+    # (placement lets a call revisit a context), waits for its turn. Followed
+    # now, the stale alias sends it round the contexts the call went through,
+    # and back here, where it looks like a cycle of futures.
+    slot = eng.slots.get(msg[1])
+    if slot is not None and slot.alias is not None and slot.keep is None \
+            and eng._call_queued(msg[1]):
+        return False
+    _serve_forward(eng, src, msg)
+    return None
+
+
 def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_release(_unpack_release(msg[1]))
 
@@ -2531,6 +2567,7 @@ def _serve_joined(eng: Engine, src: int, msg: tuple) -> None:
 
 _OWNERS[CALL] = "the engine's loop"
 register(FORWARD, _serve_forward, served_while_busy=True)
+SERVED_WHILE_BUSY[FORWARD] = _serve_forward_busy
 register(RELEASE, _serve_release, served_while_busy=True)
 register(RSR, _serve_rsr)
 register(RSR_NOW, _serve_rsr_now, served_while_busy=True)
