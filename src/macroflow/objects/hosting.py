@@ -57,7 +57,8 @@ class HostedObject:
     """
 
     __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
-                 "arrivals", "busy", "state", "error", "label", "guarded", "running", "held")
+                 "arrivals", "busy", "state", "error", "label", "guarded", "running", "held",
+                 "gstamp", "gfresh")
 
     def __init__(self, oid, label):
         self.oid = oid
@@ -67,6 +68,9 @@ class HostedObject:
         self.lanes: Dict[Any, Deque[Call]] = {}  # caller -> its calls from the first blocked one
         self.ready: List[Tuple[int, Call]] = []  # heap of unguarded calls that may run
         self.gready: List[Tuple[int, Call]] = []  # guarded calls that may run, by arrival
+        # every call in gready but those in gfresh had a false guard in state gstamp
+        self.gstamp = -1
+        self.gfresh: List[Tuple[int, Call]] = []
         self.queued = 0  # calls waiting in lanes, ready and gready
         self.arrivals = 0
         self.busy = False
@@ -261,57 +265,72 @@ class ObjectHost(Model):
             eng.stats.calls_examined += 1
             return call
         ready, gready = obj.ready, obj.gready
-        while gready:
-            first = ready[0][0] if ready else None
-            if obj.state != "live":  # no guards: every call fails in arrival order
-                if first is None or gready[0][0] < first:
-                    obj.queued -= 1
-                    eng.stats.calls_examined += 1
-                    return gready.pop(0)[1]
-                break
-            # guarded calls that came before the first unguarded one, in arrival order
-            st = eng.stats
-            failed = False
-            for i, (order, call) in enumerate(gready):
-                if first is not None and order > first:
-                    break
-                meth = getattr(obj.cls, call.method, None)
-                guard = meth.__mf_guard__
-                st.calls_examined += 1
-                st.guards_evaluated += 1
-                eng.in_guard = f"{obj.label}.{call.method}()"  # a wait in it raises
-                try:
-                    # bool() here: a value without a truth value (a numpy array) fails the call
-                    if meth.__mf_guard_args__:
-                        ok = bool(guard(obj.instance, *eng._fill(call.args, call),
-                                        **eng._fill_kw(call)))
-                    else:
-                        ok = bool(guard(obj.instance))
-                except INTERRUPTS:
-                    eng.in_guard = None
-                    raise
-                except BaseException as e:  # a failing guard fails its call
-                    eng.in_guard = None
-                    note = f"raised by the guard of {obj.label}.{call.method}()"
-                    if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
-                        e.add_note(note)  # (3.11 on) its message may not say it was the guard
-                    del gready[i]
-                    obj.queued -= 1
-                    eng._finish(call, False, e)
-                    failed = True
-                    break  # look again: the list changed
-                eng.in_guard = None
-                if ok:
-                    del gready[i]
-                    obj.queued -= 1
-                    return call
-                # later calls whose guards hold may pass this one
-            if not failed:
-                break
+        if gready and obj.state != "live":  # no guards: every call fails in arrival order
+            if not ready or gready[0][0] < ready[0][0]:
+                obj.queued -= 1
+                obj.gstamp = -1
+                eng.stats.calls_examined += 1
+                return gready.pop(0)[1]
+        elif gready:
+            call = self._pick_guarded(obj, ready[0][0] if ready else None)
+            if call is not None:
+                return call
         if ready:
             obj.queued -= 1
             eng.stats.calls_examined += 1
             return heapq.heappop(ready)[1]
+        return None
+
+    def _pick_guarded(self, obj: HostedObject, first: Optional[int]) -> Optional[Call]:
+        # The first guarded call that came before the first unguarded one
+        # (arrival order ``first``) whose guard holds, or None. A guard false
+        # in a state of the object is false until the state may change: until
+        # a method of this context ends or a remote service request runs here
+        # (``stamp``). Those evaluated false in this state are not evaluated
+        # again, so calls arriving behind a thousand waiting ones cost one
+        # guard each, not a thousand.
+        eng = self.eng
+        st = eng.stats
+        stamp = st.calls_executed + st.rsr_executed
+        todo = obj.gfresh if obj.gstamp == stamp else obj.gready
+        later = []  # not evaluated: they came after the first unguarded call
+        for entry in list(todo):
+            order, call = entry
+            if first is not None and order > first:
+                later.append(entry)
+                continue
+            meth = getattr(obj.cls, call.method, None)
+            guard = meth.__mf_guard__
+            st.calls_examined += 1
+            st.guards_evaluated += 1
+            eng.in_guard = f"{obj.label}.{call.method}()"  # a wait in it raises
+            try:
+                # bool() here: a value without a truth value (a numpy array) fails the call
+                if meth.__mf_guard_args__:
+                    ok = bool(guard(obj.instance, *eng._fill(call.args, call),
+                                    **eng._fill_kw(call)))
+                else:
+                    ok = bool(guard(obj.instance))
+            except INTERRUPTS:
+                eng.in_guard = None
+                raise
+            except BaseException as e:  # a failing guard fails its call
+                eng.in_guard = None
+                note = f"raised by the guard of {obj.label}.{call.method}()"
+                if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
+                    e.add_note(note)  # (3.11 on) its message may not say it was the guard
+                obj.gready.remove(entry)
+                obj.queued -= 1
+                eng._finish(call, False, e)
+                continue  # (a guard changes nothing: the others stand as they were)
+            eng.in_guard = None
+            if ok:
+                obj.gready.remove(entry)
+                obj.queued -= 1
+                obj.gstamp = -1  # the method may change everything
+                return call
+            # later calls whose guards hold may pass this one
+        obj.gfresh, obj.gstamp = later, stamp
         return None
 
     def _run_object(self, obj: HostedObject, call: Call) -> None:
@@ -633,6 +652,7 @@ def _enqueue(obj: HostedObject, call: Call) -> bool:
 def _make_eligible(obj: HostedObject, call: Call) -> None:
     if call.method in obj.guarded:
         bisect.insort(obj.gready, (call.order, call))
+        bisect.insort(obj.gfresh, (call.order, call))  # its guard is yet to be evaluated
     else:
         heapq.heappush(obj.ready, (call.order, call))
 
@@ -641,7 +661,7 @@ def _reclassify(obj: HostedObject) -> None:
     # calls that came before the constructor were sorted before the class (and
     # so its guards) was known
     calls = [c for _, c in obj.ready] + [c for _, c in obj.gready]
-    obj.ready, obj.gready = [], []
+    obj.ready, obj.gready, obj.gfresh, obj.gstamp = [], [], [], -1
     for c in calls:
         _make_eligible(obj, c)
     heapq.heapify(obj.ready)
