@@ -20,7 +20,7 @@ import threading
 import time
 import types
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import errors
 from .threads import getcurrent
@@ -490,20 +490,22 @@ class LoopDriver:
         world = engine.driver
         self.engines = list(world.engines) if world is not engine else [engine]
         self.fd: Optional[int] = engine.transport.fileno() if world is engine else None
-        self.waiters: List[Any] = []
+        # the asyncio futures of the awaiting tasks (a dict: each leaves in O(1),
+        # where gathering 100,000 left a list in O(n) each)
+        self.waiters: Dict[Any, None] = {}
         self.reading = False
         self.next: Any = None  # the scheduled turn
         self.next_soon = False
 
     def acquire(self, waiter: Any) -> None:
-        self.waiters.append(waiter)
+        self.waiters[waiter] = None
         if self.fd is not None and not self.reading:
             self.loop.add_reader(self.fd, self.turn)
             self.reading = True
         self._schedule(0.0)
 
     def release(self, waiter: Any) -> None:
-        self.waiters.remove(waiter)
+        del self.waiters[waiter]
         if not self.waiters:
             if self.reading:
                 self.loop.remove_reader(self.fd)
@@ -533,7 +535,7 @@ class LoopDriver:
             for eng in self.engines:
                 eng.step(0)
         except Exception as e:  # the waiting tasks get it rather than the loop's log
-            for w in self.waiters:
+            for w in list(self.waiters):
                 if not w.done():
                     w.set_exception(e)
             return
