@@ -721,3 +721,40 @@ def test_all_names_every_public_name_and_no_module():
     ns = {}
     exec("from macroflow import *", ns)
     assert {"run", "spmd", "Future", "persistent"} <= set(ns) and "core" not in ns
+
+
+@mf.persistent
+class _Interrupts:
+    def raise_it(self):
+        raise KeyboardInterrupt("from a method")
+
+    def alive(self):
+        return "alive"
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_raised_in_a_method_fails_its_call_and_nothing_waits(run, transport):
+    # In another process an interrupt ends the context it is raised in (the
+    # caller hears of its loss); in one process (inproc) it reaches the main
+    # program, and the call it ended fails with it. Either way nothing waits:
+    # on inproc the object stayed busy for ever (a later call: DeadlockError),
+    # and under MPI the caller slept until its timeout, never told.
+    def main():
+        p = _Interrupts.create(on=1)
+        try:
+            p.raise_it().result(30)
+        except (KeyboardInterrupt, mf.ContextLost) as e:
+            first = type(e).__name__
+        try:
+            later = p.alive().result(30)
+        except mf.ContextLost as e:
+            later = str(e)
+        return first, later
+
+    first, later = run(main, contexts=2)
+    if transport == "inproc":
+        assert (first, later) == ("KeyboardInterrupt", "alive")
+    else:
+        assert first == "ContextLost"
+        assert "context 1 was lost" in later
+        assert "after KeyboardInterrupt, raised in its user code" in later

@@ -291,6 +291,7 @@ class Engine:
         self.dispatching = False
         self.in_inline = False
         self.in_guard: Optional[str] = None  # the method whose guard is being evaluated
+        self.interrupted_call: Optional[Call] = None  # whose thread an interrupt ended
         # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
         # while this context's thread runs user code, `epoch` counts the times
         # it started to, `serving` is the thread serving now (0: none)
@@ -2017,6 +2018,20 @@ class Engine:
         kind = self.call_kinds.get(call.kind)
         if kind is not None:
             kind.abandon(call)  # free what the call held (its object)
+
+    def interrupted(self, exc: BaseException) -> None:
+        """An interrupt (``exc``) ended the thread of the call it was raised
+        in, and goes on to the main program in this process (inproc): that
+        call fails with it, and its object is free for the next call."""
+        call, self.interrupted_call = self.interrupted_call, None
+        if call is None:
+            return
+        if not call.answered:
+            self._finish(call, False, exc)
+        kind = self.call_kinds.get(call.kind)
+        if kind is not None:
+            kind.abandon(call)
+        self.transport.flush()
 
     # ------------------------------------------------------------------ queries
     def snapshot(self) -> Dict[str, Any]:

@@ -73,7 +73,11 @@ class Worker(greenlet.greenlet):
             try:
                 fn(*args)
             except INTERRUPTS:
-                raise  # the engine's root gets it
+                # the engine's root gets it; in one process (inproc) the
+                # program may go on, and the call is failed there (see
+                # Engine.interrupted)
+                self.engine.interrupted_call = self.call
+                raise
             except BaseException as e:  # the engine's own bug: report, keep serving
                 self.engine.internal_error(self.call, e)
             self.call = None

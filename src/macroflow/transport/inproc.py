@@ -109,6 +109,13 @@ class World:
             import heapq
             heapq.heappush(waiter.engine.timers, (time.monotonic(), id(waiter), waiter))
 
+    def _interrupted(self, eng, e: BaseException) -> None:
+        """``KeyboardInterrupt`` came out of context ``eng``'s user code (Ctrl-C,
+        or a method that raised it): it goes on to the main program, which
+        shares this thread. The call it ended fails with it and frees its
+        object, which would otherwise stay busy for ever (its thread is gone)."""
+        eng.interrupted(e)  # type: ignore[attr-defined]
+
     def _wake_yielded(self) -> None:
         waiters, self.yielded = self.yielded, []
         for w in waiters:
@@ -138,6 +145,9 @@ class World:
                     eng.stop_at = deadline  # type: ignore[attr-defined]
                     try:
                         eng.process()  # type: ignore[attr-defined]
+                    except KeyboardInterrupt as e:
+                        self._interrupted(eng, e)
+                        raise
                     finally:
                         eng.stop_at = None  # type: ignore[attr-defined]
                     progressed = True
@@ -165,7 +175,11 @@ class World:
                 wake = min(timers + ([deadline] if deadline is not None else []))
                 time.sleep(max(0.0, wake - now))
                 for eng in self.engines:
-                    eng.process()  # type: ignore[attr-defined]
+                    try:
+                        eng.process()  # type: ignore[attr-defined]
+                    except KeyboardInterrupt as e:
+                        self._interrupted(eng, e)
+                        raise
                 continue
             if deadline is not None:
                 time.sleep(max(0.0, deadline - now))

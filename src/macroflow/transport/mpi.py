@@ -949,6 +949,7 @@ class MpiTransport(Transport):
         self.broken = False  # a peer died: MPI cannot disconnect from it any more
         self.lost_later: Dict[int, str] = {}  # peers that left, reported once their frames are in
         self.bulk_sent = self.bulk_got = 0  # frames with buffers in a bulk area
+        self.heard_loss = False  # a peer left during this pass (see _progress)
         self.ring_sent = 0  # frames written to rings
         self.ring_got = 0  # frames read from rings
         self.ring_waits = 0  # sends that found a ring full
@@ -1173,7 +1174,7 @@ class MpiTransport(Transport):
             self.sent_bytes[dest] += n
             self.active_at = time.monotonic()
         w = st = None
-        if counted or wake:  # (credits and goodbyes are for ranks that poll: no wake-up)
+        if counted or wake:  # (credits are for ranks that poll: no wake-up)
             w = self.wakes.get(dest)
             if w is not None:
                 st = self.states.get(dest)
@@ -1780,6 +1781,11 @@ class MpiTransport(Transport):
             got = self._rings() or got
         if self.grows and not self.closing:
             self.grow(self.grows.pop(0))
+        if self.heard_loss:
+            # a peer left: the engine hears of it now, not when its wait ends
+            # (a goodbye is no frame, and the wait went back to sleep)
+            self.heard_loss = False
+            got = True
         if got or self._moved:
             self.active_at = time.monotonic()
             self.expect = False
@@ -1801,6 +1807,7 @@ class MpiTransport(Transport):
                 how = self.lost_later.pop(src, None)
                 if how is not None and not self.closing and self.lost is not None:
                     self.lost(src, how)
+                    self.heard_loss = True
         return got
 
     def _parse(self, src: int, buf: bytearray) -> bool:
@@ -1929,6 +1936,7 @@ class MpiTransport(Transport):
             self.lost_later[src] = how  # once its last frames' large buffers are in
         elif not self.closing and self.lost is not None:
             self.lost(src, how)
+            self.heard_loss = True
 
     # -- adding ranks ----------------------------------------------------------
     def tell_grow(self, dest: int, plan: Dict[str, Any]) -> None:
@@ -2002,7 +2010,10 @@ class MpiTransport(Transport):
         self.leaving = self.peers()
         for p in self.leaving:
             try:
-                self._control(p, BYE)
+                # woken: a peer asleep in a wait hears at once that we left
+                # (one whose engine failed leaves while the others wait for it)
+                self._post(p, _REC.pack(CONTROL, BYE) + _CREDIT.pack(0, 0), counted=False,
+                           wake=True)
                 self.gone.add(p)
             except Exception:
                 self.acked.add(p)
