@@ -142,6 +142,12 @@ def test_other_threads_are_refused(run):
             "result": lambda: f.result(),
             "exception": lambda: f.exception(),
             "callback": lambda: f.add_done_callback(print),
+            # the program's own (on main's thread: a helper's add_contexts
+            # switched main's lightweight thread and hung its gather)
+            "contexts": mf.contexts,
+            "add_contexts": lambda: mf.add_contexts(1),
+            "wait_contexts": lambda: mf.wait_contexts(2, timeout=1),
+            "remove_context": lambda: mf.remove_context(1),
         }
         refused = {}
         read = []

@@ -28,6 +28,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -607,6 +608,10 @@ def _main_session(what: str) -> "Session":
     eng = _ctx._state.default
     for s in _sessions:
         if s.engine is eng and not s.closed:
+            me = threading.get_ident()
+            if me != eng.thread and me != eng.serving:  # (as current_engine says)
+                raise RuntimeError(f"{what} was called from a thread other than the one that "
+                                   f"started the computation; call it from that thread")
             return s
     if eng is not None:
         raise RuntimeError(f"{what} is for the program that started the computation "
