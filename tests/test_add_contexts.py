@@ -95,16 +95,21 @@ def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not
     assert places == {1, 3}
 
 
-@pytest.mark.parametrize("n, init, error, match", [
-    (0, None, ValueError, "n must be a positive int; got 0"),
-    ("2", None, TypeError, "n must be a positive int; got '2'"),
-    (True, None, TypeError, "n must be a positive int; got True"),
-    (1, 42, ValueError, "init must be a function of the context id, or None; got 42"),
+@pytest.mark.parametrize("n, init, error, match, timeout", [
+    (0, None, ValueError, "n must be a positive int; got 0", 60),
+    ("2", None, TypeError, "n must be a positive int; got '2'", 60),
+    (True, None, TypeError, "n must be a positive int; got True", 60),
+    (1, 42, TypeError, "init must be a function of the context id, or None; got 42", 60),
+    (1, None, ValueError, r"timeout must be a positive number of seconds; got -1", -1),
+    (1, None, ValueError, r"timeout must be a positive number of seconds; got 0", 0),
+    (1, None, TypeError, r"timeout must be a positive number of seconds; got 'x'", "x"),
 ])
-def test_bad_arguments_are_refused(run, n, init, error, match):  # noqa: D103
+def test_bad_arguments_are_refused(run, n, init, error, match, timeout):  # noqa: D103
+    # (a bad timeout is refused before a context is started: one was started
+    # and used, and the call then said it had not reported in)
     def main():
         with pytest.raises(error, match=match):
-            mf.add_contexts(n, init=init)
+            mf.add_contexts(n, init=init, timeout=timeout)
         return mf.num_contexts()
 
     assert run(main, contexts=2) == 2

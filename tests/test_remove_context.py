@@ -290,3 +290,13 @@ def test_a_context_that_dies_while_it_retires_is_reported_lost(run, transport):
         return [c.state for c in mf.contexts()]
 
     assert run(main, contexts=2) == ["running", "lost"]
+
+
+def test_a_timeout_that_is_not_a_number_is_a_type_error(run):
+    def main():
+        with pytest.raises(TypeError, match="timeout must be a positive number of seconds; "
+                                            "got 'x'"):
+            mf.remove_context(1, timeout="x")
+        return mf.num_contexts()
+
+    assert run(main, contexts=2) == 2

@@ -600,6 +600,25 @@ def node_name() -> str:
     return socket.gethostname()
 
 
+def _positive_seconds(value: Any, what: str) -> float:
+    """``value`` as a number of seconds above 0; TypeError or ValueError,
+    naming ``what``, for anything else.
+
+    Example:
+        >>> _positive_seconds(2, "add_contexts: timeout")
+        2.0
+        >>> _positive_seconds(0, "add_contexts: timeout")
+        Traceback (most recent call last):
+        ...
+        ValueError: add_contexts: timeout must be a positive number of seconds; got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a positive number of seconds; got {value!r}")
+    if not value > 0:  # (NaN too)
+        raise ValueError(f"{what} must be a positive number of seconds; got {value!r}")
+    return float(value)
+
+
 def _main_session(what: str) -> "Session":
     from .core.threads import Worker, getcurrent
     if isinstance(getcurrent(), Worker):
@@ -715,9 +734,10 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     as copies of this program as it was at start-up.
 
     Raises:
-        TypeError: ``n`` is not an int.
-        ValueError: ``n`` is below 1, ``init`` is not callable, or
-            the transport cannot add contexts.
+        TypeError: ``n`` is not an int, ``init`` is not callable, or
+            ``timeout`` is not a number.
+        ValueError: ``n`` is below 1, ``timeout`` is not above 0, or the
+            transport cannot add contexts.
         RuntimeError: called inside a method, or not on context 0; or (on
             ``local``) the fork server that makes new contexts has ended.
         MacroflowError: ``init`` raised in a new context (with its traceback;
@@ -737,8 +757,9 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     from .core import errors
     n = _ctx.positive_count(n, "add_contexts: n")
     if init is not None and not callable(init):
-        raise ValueError(f"add_contexts: init must be a function of the context id, or None; "
-                         f"got {init!r}")
+        raise TypeError(f"add_contexts: init must be a function of the context id, or None; "
+                        f"got {init!r}")
+    timeout = _positive_seconds(timeout, "add_contexts: timeout")
     s = _main_session("mf.add_contexts()")
     eng = s.engine
     assert eng is not None
@@ -824,9 +845,7 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
         # (a TypeError, as on= gives for an id that is not an int)
         raise TypeError(f"remove_context: cid must be a context id (an int); got {cid!r}")
     cid = c
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"remove_context: timeout must be a positive number of seconds; "
-                         f"got {timeout!r}")
+    timeout = _positive_seconds(timeout, "remove_context: timeout")
     s = _main_session("mf.remove_context()")
     eng = s.engine
     assert eng is not None
