@@ -300,3 +300,33 @@ def test_a_timeout_that_is_not_a_number_is_a_type_error(run):
         return mf.num_contexts()
 
     assert run(main, contexts=2) == 2
+
+
+@mf.persistent
+class Gate:
+    def __init__(self):
+        self.open = False
+
+    @mf.guard(lambda self: self.open)
+    def through(self, x):
+        return x
+
+    def opening(self):
+        self.open = True
+
+
+def test_a_call_waiting_for_its_guard_fails_and_the_removal_ends(run):
+    # No call can reach a context being removed, so none could make the guard
+    # hold: the waiting call kept the context retiring for ever (every removal
+    # timed out, and the call's future never came)
+    def main():
+        g = Gate.create(on=1)
+        waiting = g.through(5)
+        mf.remove_context(1, timeout=30)
+        with pytest.raises(mf.ObjectDestroyed) as info:
+            waiting.result(30)
+        return str(info.value), [c.state for c in mf.contexts()]
+
+    text, states = run(main, contexts=2)
+    assert "Gate.through() was waiting for its guard when context 1 was removed" in text
+    assert states == ["running", "removed"]

@@ -1491,6 +1491,8 @@ class Engine:
         self.retiring.add(cid)
         if cid == self.id and self.retire is None:
             self.retire = {"heir": heir, "members": None, "acks": set()}
+            for model in self.models.values():
+                model.retiring()
 
     def failing(self, msg: tuple, error: BaseException) -> tuple:
         """The CALL ``msg`` made into one that fails with ``error`` when its
@@ -2389,6 +2391,11 @@ class Model:
 
     def snapshot(self, d: Dict[str, Any]) -> None:
         """Add this model's figures to ``mf.stats()``'s dict ``d``."""
+
+    def retiring(self) -> None:
+        """This context has begun to be removed: it takes no new calls of its
+        own kinds from here on (see :meth:`CallKind.refuse`); what it holds
+        that only a new call could let go on should fail now."""
 
     def hand_over(self) -> Any:
         """This context is being removed and has finished its calls: return

@@ -275,6 +275,8 @@ class ObjectHost(Model):
             call = self._pick_guarded(obj, ready[0][0] if ready else None)
             if call is not None:
                 return call
+            if eng.retire is not None and not ready and not obj.lanes:
+                self._fail_waiting(obj)  # nothing left here could make a guard hold
         if ready:
             obj.queued -= 1
             eng.stats.calls_examined += 1
@@ -332,6 +334,24 @@ class ObjectHost(Model):
             # later calls whose guards hold may pass this one
         obj.gfresh, obj.gstamp = later, stamp
         return None
+
+    def _fail_waiting(self, obj: HostedObject) -> None:
+        # The context is being removed, so takes no new calls, and nothing
+        # queued at the object can run: its waiting guarded calls could only
+        # wait for ever (and keep the removal from ending). They fail.
+        eng = self.eng
+        waiting, obj.gready, obj.gfresh = obj.gready, [], []
+        for _, call in waiting:
+            obj.queued -= 1
+            eng._finish(call, False, errors.ObjectDestroyed(
+                f"{obj.label}.{call.method}() was waiting for its guard when context {eng.id} "
+                f"was removed: no call could reach its object any more to make it hold"))
+
+    def retiring(self) -> None:
+        for obj in list(self.objects.values()):
+            if obj.gready and not obj.busy:
+                self._pump(obj)  # (a guarded call that waits fails there)
+        self.eng.transport.flush()
 
     def _run_object(self, obj: HostedObject, call: Call) -> None:
         eng = self.eng
