@@ -179,26 +179,34 @@ def test_guards_on_persistent_methods_of_every_kind_are_accepted():
                   contexts=2, transport="inproc") == ["m", "s"]
 
 
-@mf.persistent
-class _Queue:
-    def __init__(self):
-        self.items = [1]
+def test_a_guard_that_cannot_take_the_methods_arguments_is_refused_at_decoration():
+    # (each call failed, with a TypeError of a <lambda>)
+    with pytest.raises(TypeError, match=r"the guard of .*_Queue.pop\(self\) takes \(self, n\), "
+                                        r"which cannot take the method's arguments"):
+        @mf.persistent
+        class _Queue:
+            @mf.guard(lambda self, n: n > 0)  # takes an argument pop() does not
+            def pop(self):
+                return 1
+    with pytest.raises(TypeError, match=r"put\(self, a, b=2\) takes \(self, a\)"):
+        class _Put:
+            @mf.guard(lambda self, a: a > 0)  # a call put(1, 2) would not fit
+            def put(self, a, b=2):
+                return a
+    fits = [lambda self, a, b=2: a, lambda self, *args, **kw: True, lambda self, a, *rest: a,
+            lambda self: True]
+    for predicate in fits:  # accepted
+        class _Fits:
+            @mf.guard(predicate)
+            def put(self, a, b=2):
+                return a
 
-    @mf.guard(lambda self, n: len(self.items) >= n)  # takes an argument pop() does not
-    def pop(self):
-        return self.items.pop()
-
-
-def test_a_guard_with_the_wrong_parameters_names_itself(run):
-    def main():
-        with pytest.raises(TypeError) as info:
-            _Queue.create(on=1).pop().result(30)
-        return info.value
-
-    err = run(main, contexts=2)
-    assert "missing 1 required positional argument: 'n'" in str(err)
-    if hasattr(err, "add_note"):
-        assert err.__notes__ == ["raised by the guard of _Queue.pop()"]
+        @mf.persistent
+        class _Static:
+            @mf.guard(lambda self, a: a > 0)  # the self of a static method's guard is the object's
+            @staticmethod
+            def put(a):
+                return a
 
 
 _NOT_READY = ValueError("not ready")

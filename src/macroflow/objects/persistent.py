@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from ..core.context import as_int, current_engine
 from ..core.errors import StaleReference
@@ -427,6 +427,41 @@ def regular(cls: T) -> T:
     return cls
 
 
+def _check_guard_fits(predicate: Callable[..., Any], fn: Any, target: Any) -> None:
+    # A predicate with parameters gets every call's arguments: one that
+    # cannot take the method's own would fail each call with a TypeError
+    # that does not say it was the guard. Tried with the arguments of the
+    # shortest call and of the longest (every parameter given).
+    try:
+        guard_sig = inspect.signature(predicate)
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return  # (a builtin, say: nothing to compare)
+    if not isinstance(fn, staticmethod):
+        params = params[1:]  # self, or cls
+    shortest: Tuple[List[Any], Dict[str, Any]] = ([], {})
+    longest: Tuple[List[Any], Dict[str, Any]] = ([], {})
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            longest[0].append(None)
+            if p.default is p.empty:
+                shortest[0].append(None)
+        elif p.kind == p.KEYWORD_ONLY:
+            longest[1][p.name] = None
+            if p.default is p.empty:
+                shortest[1][p.name] = None
+    for args, kwargs in (shortest, longest):
+        try:
+            guard_sig.bind(None, *args, **kwargs)
+        except TypeError as e:
+            name = getattr(target, "__qualname__", "the method")
+            raise TypeError(
+                f"the guard of {name}{inspect.signature(target)} takes {guard_sig}, which "
+                f"cannot take the method's arguments ({e}): a predicate with parameters is "
+                f"called as predicate(self, *args, **kwargs) with each call's arguments; give "
+                f"it the method's parameters, or only self") from None
+
+
 def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Accept calls to the decorated method only while ``predicate`` holds.
 
@@ -474,6 +509,8 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
             raise TypeError(f"mf.guard(predicate) decorates a method of a @mf.persistent class, "
                             f"as in @mf.guard(lambda self: <condition>) above def method(self); "
                             f"got {type(fn).__name__}")
+        if takes_args:
+            _check_guard_fits(predicate, fn, target)
         target.__mf_guard__ = predicate  # type: ignore[attr-defined]
         target.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
         return fn
