@@ -433,3 +433,52 @@ def test_asyncio_code_inside_a_coroutine_method_gets_macroflow_s_explanation(run
         return True
 
     assert run(main, contexts=2)
+
+
+def test_a_class_of_another_kind_than_its_base_is_refused_naming_the_base():
+    @mf.persistent
+    class Base:
+        pass
+
+    with pytest.raises(TypeError, match="Child derives from .*Base, which is @mf.persistent: a "
+                                        "class and its bases are of one kind"):
+        @mf.regular
+        class Child(Base):
+            pass
+
+    with pytest.raises(TypeError, match=r"Again is already @persistent"):
+        @mf.regular
+        @mf.persistent
+        class Again:
+            pass
+
+
+@pytest.mark.parametrize("kind", [mf.persistent, mf.regular])
+def test_an_async_constructor_is_refused_at_decoration(kind):
+    # (it was accepted, and the object was made without running it: a
+    # coroutine that was never awaited)
+    with pytest.raises(TypeError, match=r"Later.__init__ is async def: a constructor cannot wait"):
+        @kind
+        class Later:
+            async def __init__(self):
+                self.ready = True
+
+
+@mf.regular
+class _NoInit:
+    def where(self):
+        return mf.context_id()
+
+
+def test_a_class_without_a_constructor_takes_no_arguments(run):
+    # R(on=1) was accepted and on= ignored (object.__init__ takes anything)
+    def main():
+        with pytest.raises(mf.CallError, match=r"_NoInit\(\): got an unexpected keyword "
+                                               r"argument 'on'; to place the object, "
+                                               r"_NoInit.create\(..., on=...\)"):
+            _NoInit(on=1)
+        with pytest.raises(mf.CallError, match=r"_NoInit\(\): too many positional arguments"):
+            _NoInit(1)
+        return _NoInit.create(on=1).where().result(30)
+
+    assert run(main, contexts=2) == 1

@@ -50,7 +50,11 @@ class MethodInfo(CallSite):
         try:
             self.sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise CallError(f"{self.label}(): {e}") from None
+            hint = ""
+            if "on" in kwargs and "'on'" in str(e) and self.name == "__init__":
+                hint = (f"; to place the object, {self.label}.create(..., on=...) (on= belongs "
+                        f"to create, not to the class's call)")
+            raise CallError(f"{self.label}(): {e}{hint}") from None
 
 
 def method_info(cls: type, name: str) -> MethodInfo:
@@ -93,6 +97,10 @@ def method_info(cls: type, name: str) -> MethodInfo:
     return info
 
 
+def _no_arguments(self: Any) -> None:
+    """The constructor of a class that defines none."""
+
+
 def constructor_info(cls: type) -> MethodInfo:
     """The constructor's signature, for checking ``create()`` arguments.
 
@@ -108,7 +116,12 @@ def constructor_info(cls: type) -> MethodInfo:
     """
     info = cls.__dict__.get("__mf_ctor__")
     if info is None:
-        info = MethodInfo(cls, "__init__", cls.__init__)
+        init = cls.__init__
+        if init is object.__init__:
+            # none defined: the class takes no arguments, as Python says when
+            # it is called with some (object.__init__'s own signature takes all)
+            init = _no_arguments
+        info = MethodInfo(cls, "__init__", init)
         info.label = cls.__qualname__  # errors read "Cls(): ...", as the class is called
         setattr(cls, "__mf_ctor__", info)
     return info

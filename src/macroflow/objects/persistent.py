@@ -361,8 +361,18 @@ def _check_guards(cls: type, what: str) -> None:
 def _check_class(cls: Any, what: str) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"@mf.{what} decorates a class; got {type(cls).__name__}")
-    if getattr(cls, "__mf_kind__", None) not in (None, what):
-        raise TypeError(f"{cls.__qualname__} is already @{cls.__mf_kind__}")
+    kind = getattr(cls, "__mf_kind__", None)
+    if kind not in (None, what):
+        if "__mf_kind__" in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__} is already @{kind}")
+        base = next(k for k in cls.__mro__ if "__mf_kind__" in k.__dict__)
+        raise TypeError(f"{cls.__qualname__} derives from {base.__qualname__}, which is "
+                        f"@mf.{kind}: a class and its bases are of one kind; make "
+                        f"{cls.__qualname__} @mf.{kind} too")
+    if inspect.iscoroutinefunction(cls.__init__):
+        raise TypeError(f"{cls.__qualname__}.__init__ is async def: a constructor cannot wait "
+                        f"(Python refuses it too: __init__() should return None); make it a "
+                        f"plain def, and give the class an async method for the rest")
     _check_guards(cls, what)
     for name, why in RESERVED.items():
         for klass in cls.__mro__[:-1]:
