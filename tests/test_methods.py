@@ -482,3 +482,29 @@ def test_a_class_without_a_constructor_takes_no_arguments(run):
         return _NoInit.create(on=1).where().result(30)
 
     assert run(main, contexts=2) == 1
+
+
+@mf.persistent
+class _Probed:
+    limit = 3
+
+    @property
+    def size(self):
+        return 1
+
+    def get(self):
+        return 1
+
+
+def test_probing_a_handle_for_what_is_not_a_method_answers_as_for_any_object(run):
+    # hasattr and getattr with a default raised CallError (a TypeError)
+    def main():
+        p = _Probed.create(on=1)
+        with pytest.raises(mf.CallError, match=r"'size' is a property, and a handle reaches its "
+                                               r"object only through methods") as info:
+            p.size
+        assert isinstance(info.value, AttributeError)
+        return (hasattr(p, "get"), hasattr(p, "missing"), hasattr(p, "size"),
+                getattr(p, "limit", None), p.get().result(30))
+
+    assert run(main, contexts=2) == (True, False, False, None, 1)

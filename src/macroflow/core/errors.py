@@ -106,6 +106,23 @@ class CallError(MacroflowError, TypeError):
     """
 
 
+class NoSuchMethod(CallError, AttributeError):
+    """A handle's attribute that is not a method of its class: a
+    :class:`CallError`, and an ``AttributeError``, so that ``hasattr`` and
+    ``getattr(handle, name, default)`` answer as for any object.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.persistent
+        ... class P:
+        ...     def get(self): return 1
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     p = P.create(on=1)
+        ...     hasattr(p, "get"), hasattr(p, "missing")
+        (True, False)
+    """
+
+
 class ObjectDestroyed(MacroflowError):
     """A call reached a persistent object after ``destroy()`` or a failed constructor.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, Optional
 
-from ..core.errors import CallError
+from ..core.errors import CallError, NoSuchMethod
 from ..core.future import CallSite
 
 
@@ -86,8 +86,12 @@ def method_info(cls: type, name: str) -> MethodInfo:
         if name.startswith("_") or fn is None or not callable(fn) or isinstance(fn, type):
             public = sorted(n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n, None))
                             and n != "create")
-            raise CallError(f"{cls.__qualname__} has no method {name!r}"
-                            f" (methods: {', '.join(public) or 'none'})")
+            why = ""
+            if isinstance(inspect.getattr_static(cls, name, None), property):
+                why = (f"; {name!r} is a property, and a handle reaches its object only "
+                       f"through methods: add a method that returns it")
+            raise NoSuchMethod(f"{cls.__qualname__} has no method {name!r}"
+                               f" (methods: {', '.join(public) or 'none'}){why}")
         # a plain function gets the instance as its first argument; what
         # getattr gives for a staticmethod or classmethod does not
         raw = inspect.getattr_static(cls, name, None)
