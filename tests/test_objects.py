@@ -1498,3 +1498,22 @@ def test_gathers_timeout_says_the_timeout_it_was_given(run):
         return "ok"
 
     assert run(main, contexts=2) == "ok"
+
+
+@mf.persistent
+class _AnswersTwice:
+    def twice(self):
+        mf.rtf(1)
+        mf.rtf(2)  # raises: nobody waits for the call any more
+
+
+def test_an_error_after_rtf_is_printed_saying_whose_it_is(capfd):
+    # (printed bare: a traceback of the runtime's frames, naming nothing)
+    def main():
+        return _AnswersTwice.create(on=1).twice().result(30)
+
+    assert mf.run(main, contexts=2, transport="inproc") == 1
+    err = capfd.readouterr().err
+    assert "macroflow: _AnswersTwice.twice on context 1 raised after it had answered (rtf); " \
+           "its caller has its value:\nTraceback from context 1:" in err
+    assert "RuntimeError: rtf() was already called in this method" in err

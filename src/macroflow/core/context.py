@@ -1240,8 +1240,10 @@ class Engine:
             if slot is not None:
                 slot.call = None
         if call.answered:
-            if not ok:
-                traceback.print_exception(type(value), value, value.__traceback__)
+            if not ok:  # nobody waits for it any more: said here, with whose it is
+                print(f"macroflow: {self._call_label(call)} on context {self.id} raised after "
+                      f"it had answered (rtf); its caller has its value:\n"
+                      f"{format_remote(value, self.id)}", end="", file=sys.stderr)
             return
         call.answered = True
         fid = call.fid
