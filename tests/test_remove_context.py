@@ -330,3 +330,21 @@ def test_a_call_waiting_for_its_guard_fails_and_the_removal_ends(run):
     text, states = run(main, contexts=2)
     assert "Gate.through() was waiting for its guard when context 1 was removed" in text
     assert states == ["running", "removed"]
+
+
+@mf.regular
+class Stateless:
+    def where(self, x):
+        return x, mf.context_id()
+
+
+def test_a_stateless_handle_pinned_to_a_removed_context_runs_where_its_work_went(run):
+    # (it failed with ContextLost: the context was not lost, it was removed,
+    # and a stateless call may run anywhere)
+    def main():
+        pinned = Stateless.create(on=1)
+        assert pinned.where(1).result(30) == (1, 1)
+        mf.remove_context(1, timeout=30)
+        return pinned.where(2).result(30)
+
+    assert run(main, contexts=3) == (2, 0)  # context 0 is the heir

@@ -498,6 +498,12 @@ class Engine:
             raise errors.CallError(
                 f"cannot send the arguments of {site_label(site) or method}: "
                 f"{type(e).__name__}: {e}") from e
+        if dest in self.heirs and oid is None and getattr(self.call_kinds.get(kind), "moves",
+                                                           False):
+            # a call that may run anywhere (a stateless object's, pinned to a
+            # context since removed) runs where that context's work went
+            while dest in self.heirs and self.heirs[dest] != dest:
+                dest = self.heirs[dest]
         fut = Future(self, fid, dest, oid, site)
         if dest in self.lost:
             if dest in self.heirs and oid is not None:
