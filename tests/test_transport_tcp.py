@@ -655,3 +655,30 @@ def test_a_killed_context_leaves_no_listening_socket_behind():
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((host, port), timeout=10).close()
         assert Where.create(on=1).pid().result() != pid
+
+
+def _slow_init(cid):
+    import time
+    time.sleep(1.5)
+
+
+@pytest.mark.timeout(60)
+def test_an_added_context_answers_its_handshakes_before_a_long_init(monkeypatch, caplog):
+    # It connected, then ran its init without answering: past the handshake
+    # timeout context 0 closed the connection, said it had stalled, and Ctrl-C
+    # there waited for the init. (A timeout of 1 s, not 10, and an init of 1.5.)
+    from macroflow.transport import tcp
+    original = tcp.TcpTransport.__init__
+
+    def short(self, *args, **kw):
+        kw["handshake_timeout"] = 1.0
+        original(self, *args, **kw)
+
+    monkeypatch.setattr(tcp.TcpTransport, "__init__", short)
+
+    def main():
+        return mf.add_contexts(1, init=_slow_init), [c.state for c in mf.contexts()]
+
+    with caplog.at_level(logging.INFO, logger="macroflow"):
+        assert mf.run(main, contexts=2, transport="tcp") == ([2], ["running"] * 3)
+    assert not [r for r in caplog.records if "stalled in the handshake" in r.getMessage()]

@@ -99,6 +99,14 @@ class MultiTransport(Transport):
                 self.byfd[fd] = m
                 self.ep.register(fd, select.EPOLLIN)
 
+    def settle(self, timeout: float) -> None:
+        """Each module's ``settle`` (see :meth:`TcpTransport.settle`)."""
+        deadline = time.monotonic() + timeout
+        for m in self.modules:
+            settle = getattr(m, "settle", None)
+            if settle is not None:
+                settle(max(0.0, deadline - time.monotonic()))
+
     # -- wiring ------------------------------------------------------------
     def attach(self, deliver, lost, landing=None) -> None:
         super().attach(deliver, lost, landing)

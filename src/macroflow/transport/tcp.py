@@ -741,6 +741,15 @@ class TcpTransport(LocalTransport):
             self._enter(e)
             self._step(e)  # the CHALLENGE goes at once
 
+    def settle(self, timeout: float) -> None:
+        """Finish the handshakes under way (``timeout`` seconds at most),
+        before this context stops polling for a while: a context added while
+        running does, before its ``init`` runs (a peer would otherwise take
+        its silence for a stalled handshake after ``handshake_timeout``)."""
+        deadline = time.monotonic() + timeout
+        while self.shaking and time.monotonic() < deadline:
+            self.poll(0.01)
+
     def _expire(self) -> Optional[float]:
         """Close the handshakes that stalled; seconds until the next may stall."""
         now = time.monotonic()
