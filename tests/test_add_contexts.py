@@ -221,3 +221,41 @@ def test_local_new_context_killed_fails_its_futures_and_the_rest_goes_on():
     assert "context 2" in text and "killed by signal SIGKILL" in text
     assert survivor == 1
     assert states == [(0, "running"), (1, "running"), (2, "lost")]
+
+
+NOFILE_SCRIPT = """
+import os, sys
+import macroflow as mf
+
+def main():
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        mf.add_contexts(60)
+    except mf.LimitError as e:
+        print("refused:", e.limit)
+    print("descriptors kept:", len(os.listdir("/proc/self/fd")) - before)
+    print("contexts:", [c.id for c in mf.contexts()], "stats:", sorted(mf.stats()))
+    print("added:", mf.add_contexts(1))
+
+mf.run(main, contexts=2, transport=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_too_few_file_descriptors_are_found_before_any_context_is_added(tmp_path, transport):
+    # (with 60 descriptors, adding 60 failed at the 52nd: those made so far
+    # stayed half added, their descriptors taken, and every later add failed)
+    import resource
+    import subprocess
+    import sys
+    script = tmp_path / "nofile.py"
+    script.write_text(NOFILE_SCRIPT)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60))
+
+    out = subprocess.run([sys.executable, str(script), transport], capture_output=True,
+                         text=True, timeout=50, preexec_fn=limit)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["refused: RLIMIT_NOFILE", "descriptors kept: 0",
+                                       "contexts: [0, 1] stats: [0, 1]", "added: [2]"]

@@ -744,7 +744,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             that context is not used, the others are).
         ContextLost: a new context died before it reported in.
         LimitError: this host cannot hold ``n`` more contexts (too little
-            memory, or RLIMIT_NPROC): found before any is started.
+            memory, RLIMIT_NPROC, or on ``local`` and ``tcp`` too few free
+            file descriptors, RLIMIT_NOFILE): found before any is started.
 
     Example:
         >>> import macroflow as mf

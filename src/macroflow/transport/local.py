@@ -208,6 +208,31 @@ def room_advice(fit: int, adding: bool) -> str:
     return f"add at most {max(fit - 1, 0)} contexts" if adding else f"use at most {fit} contexts"
 
 
+FDS_PER_ADDED = 2  # descriptors context 0 needs for a context it adds, while it makes it
+FDS_SPARE = 8  # and these left over, for what the program opens meanwhile
+
+
+def _check_nofile(new: int, contexts: int) -> None:
+    # Before anything is started: failing for want of descriptors part-way
+    # left the contexts made so far half added (in mf.stats(), not in
+    # mf.contexts()) and their descriptors taken, so every later add failed.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    room = (soft - used - FDS_SPARE) // FDS_PER_ADDED
+    if new > room:
+        raise LimitError("RLIMIT_NOFILE", (
+            f"{new} more contexts need about {new * FDS_PER_ADDED} file descriptors here while "
+            f"they are made, and {max(soft - used, 0)} are free (RLIMIT_NOFILE soft limit {soft}, "
+            f"hard limit {'unlimited' if hard == resource.RLIM_INFINITY else hard}; {used} open); "
+            f"{room_advice(max(room, 0) + 1, True)}, or raise the limit with `ulimit -n N` in "
+            f"the shell that starts Python"))
+
+
 def check_room(contexts: int, transport: str = "local", adding: bool = False) -> None:
     """Raise :class:`LimitError` if this host cannot hold ``contexts`` contexts
     (``adding``: all but one of them are to be added to a running computation;
@@ -219,7 +244,9 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
     not held to it) and in the memory available (MemAvailable in
     /proc/meminfo, counting :data:`CONTEXT_MEMORY` per context); on
     ``inproc``, the contexts must fit in memory (:data:`INPROC_CONTEXT_MEMORY`
-    each). A limit that cannot be read is not checked.
+    each); contexts added to a running computation on ``local`` must find
+    :data:`FDS_PER_ADDED` free file descriptors each under RLIMIT_NOFILE. A
+    limit that cannot be read is not checked.
 
     Example:
         >>> check_room(2)
@@ -241,6 +268,8 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
             f"{room_advice(fit, adding)}, or free memory"))
     if transport != "local":
         return
+    if adding:
+        _check_nofile(new, contexts)
     soft = _nproc_limit()
     if soft is None:
         return
