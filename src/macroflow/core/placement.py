@@ -80,7 +80,19 @@ class Placement:
         self.threshold = threshold
         self.transfer_limit = transfer_limit
         self.rng = random.Random(seed)
+        self.seed = seed
         self.next = 0
+
+    def __repr__(self) -> str:
+        """What it was made with, as it would be made again.
+
+        Example:
+            >>> Placement("random", threshold=0, seed=1)
+            Placement('random', threshold=0, transfer_limit=1, seed=1)
+        """
+        seed = "" if self.seed is None else f", seed={self.seed!r}"
+        return (f"Placement({self.policy!r}, threshold={self.threshold}, "
+                f"transfer_limit={self.transfer_limit}{seed})")
 
     @classmethod
     def make(cls, spec: Any) -> "Placement":
