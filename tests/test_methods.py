@@ -508,3 +508,23 @@ def test_probing_a_handle_for_what_is_not_a_method_answers_as_for_any_object(run
                 getattr(p, "limit", None), p.get().result(30))
 
     assert run(main, contexts=2) == (True, False, False, None, 1)
+
+
+@mf.persistent
+class _Keywords:
+    def f(self, on, timeout=None):
+        return on
+
+
+def test_an_unknown_keyword_is_named_before_a_missing_argument(run):
+    # (bind named the missing 'on' first; Python names the unknown keyword)
+    def main():
+        k = _Keywords.create(on=1)
+        with pytest.raises(mf.CallError, match=r"_Keywords.f\(\): got an unexpected keyword "
+                                               r"argument 'nope'"):
+            k.f(nope=1)
+        with pytest.raises(mf.CallError, match=r"missing a required argument: 'on'"):
+            k.f(timeout=2)
+        return k.f(on=5).result(30)
+
+    assert run(main, contexts=2) == 5

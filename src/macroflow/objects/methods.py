@@ -50,6 +50,12 @@ class MethodInfo(CallSite):
         try:
             self.sig.bind(*args, **kwargs)
         except TypeError as e:
+            params = self.sig.parameters
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                unknown = [k for k in kwargs if k not in params
+                           or params[k].kind == inspect.Parameter.POSITIONAL_ONLY]
+                if unknown:  # said first, as Python says it (bind names a missing one first)
+                    e = TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
             hint = ""
             if "on" in kwargs and "'on'" in str(e) and self.name == "__init__":
                 hint = (f"; to place the object, {self.label}.create(..., on=...) (on= belongs "
