@@ -506,3 +506,40 @@ def test_an_async_inline_handler_that_awaits_a_pending_future_is_told_it_cannot_
 
     got = run(main, contexts=2)
     assert "thread='new'" in got[0]
+
+
+def _append(box, x):
+    box.append(x)
+
+
+def test_a_request_to_a_context_that_does_not_exist_is_refused(run):
+    # (local hung in mf.rsr, connecting for ever; inproc and tcp dropped it unsaid)
+    def main():
+        g = mf.export([])
+        refused = []
+        for ctx in (2, -1):
+            bad = mf.GlobalPointer(ctx, "export", g.ident, g.protocols, g.computation)
+            with pytest.raises(ValueError, match=rf"names context {ctx}; there are 2 contexts "
+                                                 r"\(0\.\.1\)"):
+                mf.rsr(bad, _append, 1)
+            refused.append(ctx)
+        return refused
+
+    assert run(main, contexts=2) == [2, -1]
+
+
+def test_a_request_to_a_removed_context_raises_context_lost(run, transport):
+    if transport == "mpi":
+        pytest.skip("an MPI rank cannot leave a running job")
+
+    def main():
+        b = Mailbox.create(on=1)
+        g = mf.info(b).gptr
+        mf.rsr(g, deposit, 1)
+        mf.remove_context(1, timeout=30)
+        with pytest.raises(mf.ContextLost, match="context 1 was lost: removed by "
+                                                 "mf.remove_context"):
+            mf.rsr(g, deposit, 2)  # (dropped unsaid, the first and every later time)
+        return True
+
+    assert run(main, contexts=2)

@@ -134,7 +134,9 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
 
     Raises:
         TypeError: ``gptr`` is not a GlobalPointer, or ``handler`` is not callable.
-        ValueError: unknown ``thread``, or no protocol shared with the target.
+        ValueError: unknown ``thread``, no protocol shared with the target, or
+            a pointer to a context that does not exist.
+        macroflow.ContextLost: the pointer's context is lost (or was removed).
         macroflow.StaleReference: ``gptr`` belongs to another computation.
         macroflow.CallError: the handler or the arguments cannot be pickled.
 
@@ -182,15 +184,18 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
         _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
         eng = current_engine_of(gptr.computation, "global pointer", gptr)
         head = _first(eng, gptr, handler, thread)
+    ctx = gptr.context
+    if ctx in eng.lost:  # (one it sent to meanwhile was dropped, never said)
+        raise errors.ContextLost(ctx, eng.lost[ctx])
     if args:
         try:
             data, bufs = _encode(args)
         except marshal.PICKLE_ERRORS as e:
             raise errors.CallError(f"cannot send remote service request "
                                    f"{getattr(handler, '__qualname__', handler)}: {e}") from e
-        eng.post_frame(gptr.context, [head + data, *bufs] if bufs else [head + data])
+        eng.post_frame(ctx, [head + data, *bufs] if bufs else [head + data])
     else:
-        eng.post_frame(gptr.context, [head])
+        eng.post_frame(ctx, [head])
 
 
 _encode = marshal.dumps_args
@@ -205,6 +210,9 @@ def _first(eng: Any, gptr: GlobalPointer, handler: Callable[..., Any], thread: s
     if not callable(handler):
         raise TypeError(f"mf.rsr(): handler must be callable (a picklable function); "
                         f"got {type(handler).__name__}")
+    if not 0 <= gptr.context < eng.size:  # (one made by hand: ours are all in range)
+        raise ValueError(f"mf.rsr(): {gptr!r} names context {gptr.context}; there are "
+                         f"{eng.size} contexts (0..{eng.size - 1})")
     mine = spoken(eng)
     if gptr.protocols and not set(mine) & set(gptr.protocol_names()):
         raise ValueError(f"{gptr!r} is reachable by {gptr.protocol_names()}, "
