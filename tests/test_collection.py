@@ -338,9 +338,9 @@ def test_bad_arguments_are_refused_with_what_is_allowed():
         "index_tuple_len": ("IndexError", "the 3-tuple (1, 2, 3)"),
         "index_range_2d": ("IndexError", "as in (1, 2)"),
         "index_type": ("TypeError", "made of ints; got 'a'"),
-        "no_method": ("CallError", "Cell has no method 'fly'"),
+        "no_method": ("NoSuchMethod", "Cell has no method 'fly'"),
         "wrong_args": ("CallError", "Cell.step()"),
-        "no_element_method": ("CallError", "Cell has no method 'fly'"),
+        "no_element_method": ("NoSuchMethod", "Cell has no method 'fly'"),
         "method_type": ("TypeError", "a method name (str) or a function"),
         "map_fn": ("TypeError", "fn must be callable"),
         "no_attr": ("AttributeError", "Cell element 1, pointer to .nothing: the element has no "

@@ -18,6 +18,7 @@ from .core.errors import ContextLost as ContextLost
 from .core.errors import DeadlockError as DeadlockError
 from .core.errors import LimitError as LimitError
 from .core.errors import MacroflowError as MacroflowError
+from .core.errors import NoSuchMethod as NoSuchMethod
 from .core.errors import ObjectDestroyed as ObjectDestroyed
 from .core.errors import RemoteError as RemoteError
 from .core.errors import RemoteTraceback as RemoteTraceback
