@@ -543,3 +543,20 @@ def test_a_request_to_a_removed_context_raises_context_lost(run, transport):
         return True
 
     assert run(main, contexts=2)
+
+
+def _exits(box):
+    raise SystemExit(7)
+
+
+@pytest.mark.parametrize("thread", ["inline", "new", "now"])
+def test_a_handler_that_exits_is_reported_and_its_context_serves_on(run, thread):
+    # (SystemExit ended the context: ContextLost on local and tcp, and on
+    # inproc the whole program exited with the handler's code)
+    def main():
+        b = Mailbox.create(on=1)
+        mf.rsr(mf.info(b).gptr, _exits, thread=thread)
+        mf.rsr(mf.info(b).gptr, deposit, 1)
+        return b.items().result(30)
+
+    assert run(main, contexts=2) == [(1, 1)]

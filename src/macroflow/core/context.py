@@ -1599,7 +1599,7 @@ class Engine:
             r = handler(target, *args)
             if type(r) is CoroutineType:  # an async def handler: run it, as a method is
                 run_coroutine(r)
-        except Exception:
+        except (Exception, SystemExit):  # (an exit in a handler ends nothing: reported)
             self._rsr_raised(handler)
         if handler is not look_again:
             self.stats.rsr_executed += 1
@@ -1636,7 +1636,7 @@ class Engine:
             r = handler(target, *args)
             if type(r) is CoroutineType:  # run to its end: one that awaits a pending future fails
                 run_coroutine(r)
-        except Exception:
+        except (Exception, SystemExit):  # (an exit in a handler ends nothing: reported)
             self._rsr_raised(handler)
         finally:
             self.in_inline = inline
