@@ -560,3 +560,21 @@ def test_a_handler_that_exits_is_reported_and_its_context_serves_on(run, thread)
         return b.items().result(30)
 
     assert run(main, contexts=2) == [(1, 1)]
+
+
+
+
+def test_a_pointer_of_a_kind_nobody_serves_is_dropped_and_said(run, transport, capfd):
+    # (its handler ran with the runtime's own engine as its target)
+    def main():
+        b = Mailbox.create(on=1)
+        g = mf.info(b).gptr
+        forged = mf.GlobalPointer(1, "banana", 7, g.protocols, g.computation)
+        mf.rsr(forged, deposit, 1)
+        b.items().result(30)  # sent after: served after
+        return {k: v for k, v in mf.stats()[1].items() if k.startswith("rsr_")}
+
+    assert run(main, contexts=2) == {"rsr_executed": 0, "rsr_dropped": 1}
+    if transport != "mpi":  # (spawned ranks write to the job's stderr)
+        assert "for banana 7 was not run: no model here serves pointers of kind 'banana'" \
+            in capfd.readouterr().err

@@ -1612,7 +1612,10 @@ class Engine:
         # constructor is on its way, or waits for its arguments): its model
         # keeps the request and runs it once it does
         model = self.pointer_kinds.get(gid[0])
-        if model is None or not model.hold(gid[0], gid[1], functools.partial(
+        if model is None and gid[0] != "export":
+            self._rsr_dropped(gid, handler, f"no model here serves pointers of kind "
+                                            f"{gid[0]!r} (it serves {sorted(self.pointer_kinds)})")
+        elif model is None or not model.hold(gid[0], gid[1], functools.partial(
                 self._run_held_rsr, gid, handler, args, thread)):
             self._rsr_dropped(gid, handler)
 
@@ -1656,8 +1659,10 @@ class Engine:
                      why: str = "nothing is there (unexported, or its object destroyed)") -> None:
         self.stats.rsr_dropped += 1
         name = getattr(handler, "__qualname__", repr(handler))
+        ident = gid[1]
+        shown = f"{ident[0]}.{ident[1]}" if type(ident) is tuple and len(ident) == 2 else repr(ident)
         print(f"macroflow: context {self.id}: remote service request {name} for "
-              f"{gid[0]} {gid[1][0]}.{gid[1][1]} was not run: {why}", file=sys.stderr)
+              f"{gid[0]} {shown} was not run: {why}", file=sys.stderr)
 
     def _on_rsr_now(self, src: int, msg: tuple) -> None:
         # run as it arrives, by the engine or by the service mechanism while a
@@ -1835,7 +1840,7 @@ class Engine:
         model = self.pointer_kinds.get(kind)
         if model is not None:
             return model.resolve(kind, ident)
-        return self
+        return _MISSING  # a kind no model here serves: it names nothing
 
     # ------------------------------------------------------------------ deadlocks
     def probe_blocked(self, force: bool = False) -> None:
