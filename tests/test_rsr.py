@@ -562,8 +562,6 @@ def test_a_handler_that_exits_is_reported_and_its_context_serves_on(run, thread)
     assert run(main, contexts=2) == [(1, 1)]
 
 
-
-
 def test_a_pointer_of_a_kind_nobody_serves_is_dropped_and_said(run, transport, capfd):
     # (its handler ran with the runtime's own engine as its target)
     def main():
