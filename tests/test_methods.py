@@ -528,3 +528,12 @@ def test_an_unknown_keyword_is_named_before_a_missing_argument(run):
         return k.f(on=5).result(30)
 
     assert run(main, contexts=2) == 5
+
+
+def test_what_a_call_must_look_like_is_found_for_builtin_classes_too():
+    # (a collection of a builtin class failed: a builtin takes no attributes,
+    # where the answer was kept)
+    from macroflow.objects.methods import constructor_info, method_info
+    method_info(dict, "keys").check((), {})
+    constructor_info(dict).check((), {"a": 1})
+    assert method_info(dict, "keys") is not method_info(dict, "keys")  # found anew each time

@@ -85,7 +85,7 @@ def method_info(cls: type, name: str) -> MethodInfo:
     cache: Optional[Dict[str, MethodInfo]] = cls.__dict__.get("__mf_methods__")
     if cache is None:
         cache = {}
-        setattr(cls, "__mf_methods__", cache)
+        _keep(cls, "__mf_methods__", cache)
     info = cache.get(name)
     if info is None:
         fn = getattr(cls, name, None)
@@ -105,6 +105,15 @@ def method_info(cls: type, name: str) -> MethodInfo:
             (inspect.isfunction(raw) or hasattr(type(raw), "__get__"))
         info = cache[name] = MethodInfo(cls, name, fn, takes_self)
     return info
+
+
+def _keep(cls: type, name: str, value: Any) -> None:
+    # on the class, where it is found again; a builtin class (dict, a
+    # collection's element may be one) takes no attributes: found anew each time
+    try:
+        setattr(cls, name, value)
+    except (TypeError, AttributeError):
+        pass
 
 
 def _no_arguments(self: Any) -> None:
@@ -133,7 +142,7 @@ def constructor_info(cls: type) -> MethodInfo:
             init = _no_arguments
         info = MethodInfo(cls, "__init__", init)
         info.label = cls.__qualname__  # errors read "Cls(): ...", as the class is called
-        setattr(cls, "__mf_ctor__", info)
+        _keep(cls, "__mf_ctor__", info)
     return info
 
 
