@@ -212,13 +212,16 @@ def test_cli_run_gives_the_script_its_arguments_while_its_top_level_runs(tmp_pat
     assert out.stdout.strip() == "10"
 
 
-def test_cli_run_bad_spin_environment_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("name, value", [("MACROFLOW_SPIN_US", "fast"),
+                                         ("MACROFLOW_SERVICE", "bogus")])
+def test_cli_run_bad_environment_is_a_usage_error(tmp_path, name, value):
+    # (a bad MACROFLOW_SERVICE printed a traceback)
     script = _script(tmp_path, MAIN_CLASSES)
     out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", script],
                          capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "MACROFLOW_SPIN_US": "fast"})
+                         env={**os.environ, name: value})
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "macroflow run: error: the MACROFLOW_SPIN_US environment variable must be" in out.stderr
+    assert f"macroflow run: error: the {name} environment variable must be" in out.stderr
 
 
 @pytest.mark.parametrize("spin", [-1, -0.5, float("nan"), float("inf"), "50", True, [50]])

@@ -63,8 +63,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from macroflow.transport.mpi import world_from_environment
     # usage errors, all found before the script runs
     launch_mpiexec = args.transport == "mpi" and world_from_environment() is None
+    from macroflow.core.threads import service_setting
     try:
         spin_us_setting()
+        service_setting()
         module = load_transport(args.transport or "local")
         check = getattr(module, "check_room", None)
         if check is not None and not launch_mpiexec:
