@@ -1,6 +1,7 @@
 """Nexus substrate: global pointers and remote service requests."""
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -576,3 +577,38 @@ def test_a_pointer_of_a_kind_nobody_serves_is_dropped_and_said(run, transport, c
     if transport != "mpi":  # (spawned ranks write to the job's stderr)
         assert "for banana 7 was not run: no model here serves pointers of kind 'banana'" \
             in capfd.readouterr().err
+
+
+def _again(box, g, k):
+    box.got.append(k)
+    if k:
+        mf.rsr(g, _again, g, k - 1, thread="now")
+
+
+@mf.persistent
+class Computes:
+    def __init__(self):
+        self.got = []
+
+    def until(self, n, most):
+        t = time.monotonic()
+        while len(self.got) < n and time.monotonic() - t < most:
+            pass  # computes: requests are served by the context's service meanwhile
+        return list(self.got)
+
+
+def test_now_requests_a_now_handler_sends_to_its_own_context_run_while_it_computes(run,
+                                                                                  transport):
+    # (each was taken for looked at, behind what waited for the method: only
+    # the first ran while the method computed)
+    if transport == "inproc":
+        pytest.skip("inproc: nothing else runs while a method computes")
+
+    def main():
+        c = Computes.create(on=1)
+        g = mf.info(c).gptr
+        f = c.until(11, 20.0)
+        mf.rsr(g, _again, g, 10, thread="now")
+        return f.result(30)
+
+    assert run(main, contexts=2) == list(range(10, -1, -1))

@@ -291,6 +291,7 @@ class Engine:
         self.dispatching = False
         self.in_inline = False
         self.in_guard: Optional[str] = None  # the method whose guard is being evaluated
+        self._kept: Any = ()  # what serve_arrived leaves for the engine, in this round
         self.interrupted_call: Optional[Call] = None  # whose thread an interrupt ended
         # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
         # while this context's thread runs user code, `epoch` counts the times
@@ -1773,17 +1774,36 @@ class Engine:
             # only entries not looked at before: a long computation may have
             # thousands of calls queued behind it
             seen = self._scanned
-            fresh = []
-            while inbox and inbox[-1] is not seen:
-                fresh.append(inbox.pop())
             served = 0
-            while fresh:
-                entry = fresh.pop()
-                if self._serve_one(entry):
-                    served += 1
-                else:
-                    inbox.append(entry)
-            self._scanned = inbox[-1] if inbox else None
+            for _ in range(SERVE_ROUNDS):
+                fresh = []
+                while inbox and inbox[-1] is not seen:
+                    fresh.append(inbox.pop())
+                if not fresh:
+                    break
+                before = len(inbox)
+                kept = self._kept = []  # (_call_queued looks here too)
+                try:
+                    while fresh:
+                        entry = fresh.pop()
+                        if self._serve_one(entry):
+                            served += 1
+                        else:
+                            kept.append(entry)
+                finally:
+                    # what a handler served here sent to this context meanwhile
+                    # came after what waits: it goes after it, looked at in the
+                    # next round (among it, taken for looked at, it waited for
+                    # the method's end, and came before messages that arrived
+                    # first); and nothing is lost if something raised
+                    self._kept = ()
+                    sent = [inbox.pop() for _ in range(len(inbox) - before)][::-1]
+                    kept.extend(reversed(fresh))
+                    if kept:
+                        inbox.extend(kept)
+                        seen = kept[-1]
+                    inbox.extend(sent)
+            self._scanned = seen
             self.served_busy += served
             if self.n_releases >= RELEASE_BATCH:
                 # futures of large values dropped while user code runs (or a
@@ -1819,7 +1839,7 @@ class Engine:
         """Whether the call ``fid`` waits in the inbox (while busy: calls
         wait for the method that computes, and what is served meanwhile
         passes them)."""
-        for _src, bufs, _load in self.inbox:
+        for _src, bufs, _load in itertools.chain(self._kept, self.inbox):
             if type(bufs) is tuple:  # a call to itself, queued decoded
                 msg = bufs
             elif _peek_op(bufs[0]) == CALL:
@@ -2511,6 +2531,11 @@ def _alias_cycle(fid: Any) -> errors.DeadlockError:
 
 def _serve_forward(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_forward(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
+
+
+#: rounds of one look at the inbox while a method computes: a request that a
+#: handler served then sends to its own context is served in the next round
+SERVE_ROUNDS = 16
 
 
 def _serve_forward_busy(eng: Engine, src: int, msg: tuple) -> Optional[bool]:
