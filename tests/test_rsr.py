@@ -612,3 +612,28 @@ def test_now_requests_a_now_handler_sends_to_its_own_context_run_while_it_comput
         return f.result(30)
 
     assert run(main, contexts=2) == list(range(10, -1, -1))
+
+
+@mf.persistent
+class _NeverMade:
+    def __init__(self):
+        raise RuntimeError("no box today")
+
+    def get(self):
+        return 1
+
+
+def test_a_request_to_an_object_whose_constructor_failed_says_so(run, transport, capfd):
+    # (it said "nothing is there (unexported, or its object destroyed)")
+    def main():
+        b = _NeverMade.create(on=1)
+        with pytest.raises(mf.ObjectDestroyed):
+            b.get().result(30)
+        mf.rsr(mf.info(b).gptr, deposit, 1)
+        b.get().exception(30)  # sent after the request: it has been dropped by then
+        return mf.stats()[1]["rsr_dropped"]
+
+    assert run(main, contexts=2) == 1
+    if transport != "mpi":  # (spawned ranks write to the job's stderr)
+        assert "was not run: its object's constructor failed (RuntimeError: no box today)" \
+            in capfd.readouterr().err

@@ -1616,9 +1616,15 @@ class Engine:
         if model is None and gid[0] != "export":
             self._rsr_dropped(gid, handler, f"no model here serves pointers of kind "
                                             f"{gid[0]!r} (it serves {sorted(self.pointer_kinds)})")
-        elif model is None or not model.hold(gid[0], gid[1], functools.partial(
-                self._run_held_rsr, gid, handler, args, thread)):
+        elif model is None:
             self._rsr_dropped(gid, handler)
+        elif not model.hold(gid[0], gid[1], functools.partial(
+                self._run_held_rsr, gid, handler, args, thread)):
+            why = model.why_not(gid[0], gid[1])
+            if why:
+                self._rsr_dropped(gid, handler, why)
+            else:
+                self._rsr_dropped(gid, handler)
 
     def _run_held_rsr(self, gid, handler, args, thread: str, target: Any) -> bool:
         # a model's release of a held request; True: it starts a thread later
@@ -2418,6 +2424,12 @@ class Model:
         started a thread that should run first. Returns False when nothing
         will ever be there (the request is then reported as dropped)."""
         return False
+
+    def why_not(self, kind: str, ident: Any) -> Optional[str]:
+        """Why what ``(kind, ident)`` names is not here to serve a request
+        (its :meth:`hold` said no), for the message that says it was not
+        run; None: the engine's own words (nothing is there)."""
+        return None
 
     def lost(self, peer: int) -> None:
         """Context ``peer`` is lost (called before its futures fail)."""

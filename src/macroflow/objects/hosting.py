@@ -155,6 +155,14 @@ class ObjectHost(Model):
         obj.held.append(release)
         return True
 
+    def why_not(self, kind: str, ident: Any) -> Optional[str]:
+        obj = self.objects.get(ident)
+        if obj is not None and obj.state == "broken":
+            err = obj.error
+            return (f"its object's constructor failed"
+                    f"{f' ({type(err).__name__}: {err})' if err is not None else ''}")
+        return None
+
     def _release(self, obj: HostedObject) -> bool:
         # requests held for an object that now lives, or never will; True:
         # one of them started a thread, which should run before its calls
