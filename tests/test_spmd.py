@@ -1927,3 +1927,18 @@ def test_a_mismatch_names_barrier_async_as_called(transport):
     said = mf.spmd(_async_barrier_against_allreduce, n=2, transport=transport)
     assert all("mf.barrier_async()" in s and "mf.allreduce()" in s for s in said), said
     assert not any("mf.barrier()" in s for s in said), said
+
+
+def _reduces_after_growing():
+    mf.barrier()
+    return mf.allreduce(mf.rank() + 1), mf.rank()
+
+
+def test_collectives_in_a_run_after_contexts_were_added(run):
+    # (under MPI the added rank used MPI's own collectives on its communicator
+    # and the first ranks the tree: every barrier hung)
+    def main():
+        mf.add_contexts(1)
+        return mf.spmd(_reduces_after_growing, timeout=30)
+
+    assert run(main, contexts=2) == [(6, 0), (6, 1), (6, 2)]

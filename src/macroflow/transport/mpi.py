@@ -898,6 +898,10 @@ class MpiTransport(Transport):
         self.grows: List[Dict[str, Any]] = []  # plans of context 0 to add ranks, to carry out
         self.peer_comm: Any = None  # context 0, while it adds ranks: itself and them
         self._natives: Optional["MpiCollectives"] = None
+        # a rank added while running: its communicator is not the one the
+        # job's first ranks share, so MPI's own collectives could never match
+        # theirs (they go by the tree, having more than one link)
+        self.added = members is not None
         self.unfinished: Deque[Tuple[Any, Any]] = deque()  # (request, buffer) of our sends
         self.pushing = 0  # sends in `unfinished` too large to leave without our progress
         self.sends = 0
@@ -1028,7 +1032,7 @@ class MpiTransport(Transport):
         """MPI's own non-blocking collectives among the contexts ``members``:
         only while they are exactly the ranks of the communicator this
         context started with (no context added or gone since); else None."""
-        if len(self.links) != 1 or self.gone or list(members) != self.members[0]:
+        if self.added or len(self.links) != 1 or self.gone or list(members) != self.members[0]:
             return None
         if self._natives is None:
             self._natives = MpiCollectives(self.MPI, self.links[0])
