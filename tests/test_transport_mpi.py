@@ -1038,3 +1038,44 @@ def test_a_process_that_gave_up_a_disconnection_ends_before_mpi_finalize():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["False"], r.stdout + r.stderr
     assert r.returncode == 0
+
+
+KILLED_WHILE_SENT_TO = """
+    import os, signal, threading
+    import numpy as np
+    import macroflow as mf
+
+    @mf.persistent
+    class Sink:
+        def take(self, a):
+            return float(a[-1])
+
+    def main():
+        pid = mf.stats()[1]["pid"]
+        s = Sink.create(on=1)
+        big = np.ones(20 * 2**20 // 8)
+        threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+        try:
+            for i in range(50):
+                s.take(big).result(timeout=30)
+        except mf.ContextLost as e:
+            return "lost: " + str(e)
+        return "not lost"
+
+    print(mf.run(main, contexts=2, transport="mpi"))
+"""
+
+
+def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once(tmp_path):
+    # (context 0 waited for MPI to take the array for ever, its wait's timeout
+    # never reached: the death its watcher heard was not looked at there)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(KILLED_WHILE_SENT_TO))
+    t = time.monotonic()
+    # (not a session of its own: a session leader cannot leave its process
+    # group, which MPICH's process manager kills when a spawned rank dies)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("lost: context 1 was lost"), (out.stdout, out.stderr[-2000:])
+    assert time.monotonic() - t < 60

@@ -1223,6 +1223,8 @@ class MpiTransport(Transport):
         self.blocked_on = dest
         try:
             while not Testall(reqs):
+                if self.died:
+                    self._on_died()  # (its watcher heard of a death: it may be dest's)
                 if dest in self.gone:
                     self._abandon(reqs, views)
                     raise ConnectionError(f"context {dest} left before taking a frame")
