@@ -89,6 +89,10 @@ def test_mf_init_reads_the_launchers_environment(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "4")
     with pytest.raises(ValueError, match="contexts=2, but mpiexec started 4 ranks"):
         mf.init(contexts=2)
+    # (mf.spmd's own words: it named run's contexts=, which the user never passed)
+    with pytest.raises(ValueError, match=r"mf.spmd\(\): n=2, but mpiexec started 4 ranks: .*"
+                                         r"pass n=4 or leave it out"):
+        mf.spmd(print, n=2)
     with pytest.raises(ValueError, match="transport='inproc'"):
         mf.run(lambda: 1, transport="inproc")
 

@@ -60,7 +60,12 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
     else:
         _check_timeout(timeout, "mf.spmd()")  # as a collective's
     if running_computation() is None:
-        from ..launch import run
+        from ..launch import choose_transport, run
+        try:
+            choose_transport(transport, n)  # (its words name run's contexts=, ours n=)
+        except ValueError as e:
+            raise ValueError(str(e).replace(f"contexts={n}", f"mf.spmd(): n={n}")
+                             .replace("pass contexts=", "pass n=")) from None
         return run(_in_computation, fn, args, n, timeout, contexts=n, transport=transport)
     if transport is not None:
         raise ValueError("mf.spmd(): transport= is for a new computation; one is running "
