@@ -1083,3 +1083,14 @@ def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("lost: context 1 was lost"), (out.stdout, out.stderr[-2000:])
     assert time.monotonic() - t < 60
+
+
+def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
+    # (every rank said it: three lines for -n 3)
+    script = tmp_path / "nomain.py"
+    script.write_text("x = 1\n")
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "3", "--transport",
+                          "mpi", str(script)], capture_output=True, text=True, timeout=60,
+                         env=_env())
+    assert out.returncode == 1
+    assert out.stderr.count("defines no function main()") == 1, out.stderr

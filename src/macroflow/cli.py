@@ -56,6 +56,34 @@ def _load_script(path: str) -> types.ModuleType:
     return mod
 
 
+def _may_define(source: bytes, name: str) -> bool:
+    """Whether a script's top level may bind ``name`` (a def, a class, an
+    assignment, an import; anything it cannot tell, a star import say, may).
+
+    Example:
+        >>> _may_define(b"def main(): pass", "main"), _may_define(b"x = 1", "main")
+        (True, False)
+    """
+    import ast
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                node.name == name:
+            return True
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store):
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name:
+                    return True
+        if isinstance(node, ast.Global) and name in node.names:
+            return True
+    return False
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
     from macroflow.launch import spin_us_setting
@@ -79,11 +107,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if launch_mpiexec:
         try:  # a script that cannot compile fails here, not once per rank
             with open(args.script, "rb") as f:
-                compile(f.read(), args.script, "exec")
+                source = f.read()
+            compile(source, args.script, "exec")
         except SyntaxError:
             import traceback
             traceback.print_exc(limit=0)
             return 1
+        if not _may_define(source, args.main):  # (said once, not by every rank)
+            raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
         return _run_under_mpiexec(args)
     # the script's own arguments, already while its top level runs (an
     # argparse parser there, as `python script.py --n 5` would see them)
