@@ -1094,3 +1094,32 @@ def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
                          env=_env())
     assert out.returncode == 1
     assert out.stderr.count("defines no function main()") == 1, out.stderr
+
+
+ADDED_UNDER_MPIEXEC = """
+    import macroflow as mf
+
+    def mark(cid):
+        import os
+        os.environ["MF_TEST_INIT"] = str(cid)
+
+    @mf.persistent
+    class Probe:
+        def seen(self):
+            import os
+            return os.environ.get("MF_TEST_INIT")
+
+    def main():
+        new = mf.add_contexts(1, init=mark)
+        return new, Probe.create(on=new[0]).seen().result(60)
+
+    print(mf.run(main))
+"""
+
+
+def test_a_context_added_under_mpiexec_runs_an_init_of_the_script(tmp_path):
+    # (the new rank runs none of the script: the init, sent by name, was not
+    # found there, AttributeError: Can't get attribute 'mark' on __main__)
+    rc, out, err = _mpiexec(tmp_path, 2, ADDED_UNDER_MPIEXEC)
+    assert rc == 0, err[-2000:]
+    assert out.strip() == "([2], '2')", err[-2000:]

@@ -2721,6 +2721,11 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         assert eng is not None
         t = eng.transport
         MPI = mpi()
+        if not self.spawned:
+            # under mpiexec the new ranks run none of the script: what its
+            # __main__ defines goes by value from here on, the init first
+            # (pickled by name, it could not be found there)
+            marshal.main_by_value()
         blob, bufs = marshal.dumps(init)
         if bufs:
             raise ValueError("init must be a function (it pickled with out-of-band buffers)")
