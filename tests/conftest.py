@@ -1,6 +1,7 @@
 """Shared fixtures: run a test body on every transport, and check that no
 process outlives the test (the runtime's promise, checked after every test)."""
 
+import signal
 import time
 
 import pytest
@@ -8,6 +9,13 @@ import pytest
 import macroflow as mf
 from common import our_processes
 from macroflow.transport import mpi as _mpi
+
+# A suite started in the background by a shell without job control inherits
+# SIGINT ignored, and so would every program the tests start (Python installs
+# no KeyboardInterrupt handler then): the tests that send Ctrl-C could not.
+# A handler of our own is reset to the default in the programs we start.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TRANSPORTS = ["inproc", "local", "tcp"]
 #: why the mpi transport cannot run here (mpi4py or mpiexec missing), or None
