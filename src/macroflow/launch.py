@@ -935,9 +935,7 @@ def joined(eng: Engine, get_init: Callable[[], Any]) -> bool:
     try:
         init = get_init()
         if init is not None:
-            settle = getattr(eng.transport, "settle", None)
-            if settle is not None:
-                settle(5.0)  # (tcp: what connects to it now is answered, not timed out)
+            eng.transport.settle(5.0)  # (tcp: what connects to it now is answered, not timed out)
             init(eng.id)
     except BaseException:
         error = traceback.format_exc()

@@ -99,6 +99,11 @@ class Transport(abc.ABC):
         waiting. Here, every frame passes through the descriptor: False."""
         return False
 
+    def settle(self, timeout: float) -> None:
+        """Finish what is under way with peers (``timeout`` seconds at most)
+        before this context stops polling for a while (a context added while
+        running, before its ``init``). Nothing here: no peer waits for us."""
+
     def peers(self) -> Optional[List[int]]:
         """The contexts this one has a connection to now, or None where every
         context is reachable at no cost (a transport that connects on demand

@@ -212,7 +212,7 @@ FDS_PER_ADDED = 2  # descriptors context 0 needs for a context it adds, while it
 FDS_SPARE = 8  # and these left over, for what the program opens meanwhile
 
 
-def _check_nofile(new: int, contexts: int) -> None:
+def _check_nofile(new: int) -> None:
     # Before anything is started: failing for want of descriptors part-way
     # left the contexts made so far half added (in mf.stats(), not in
     # mf.contexts()) and their descriptors taken, so every later add failed.
@@ -269,7 +269,7 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
     if transport != "local":
         return
     if adding:
-        _check_nofile(new, contexts)
+        _check_nofile(new)
     soft = _nproc_limit()
     if soft is None:
         return

@@ -1262,8 +1262,8 @@ class MpiTransport(Transport):
         rec = _REC.pack(CONTROL, CREDIT) + _CREDIT.pack(self.got_msgs[src], self.got_bytes[src])
         self._post(src, rec, counted=False)
 
-    def _control(self, dest: int, kind: int) -> None:
-        self._post(dest, _REC.pack(CONTROL, kind) + _CREDIT.pack(0, 0), counted=False)
+    def _control(self, dest: int, kind: int, wake: bool = False) -> None:
+        self._post(dest, _REC.pack(CONTROL, kind) + _CREDIT.pack(0, 0), counted=False, wake=wake)
 
     # -- shared-memory rings ---------------------------------------------------
     def bulk_counts(self) -> Dict[str, int]:
@@ -2018,8 +2018,7 @@ class MpiTransport(Transport):
             try:
                 # woken: a peer asleep in a wait hears at once that we left
                 # (one whose engine failed leaves while the others wait for it)
-                self._post(p, _REC.pack(CONTROL, BYE) + _CREDIT.pack(0, 0), counted=False,
-                           wake=True)
+                self._control(p, BYE, wake=True)
                 self.gone.add(p)
             except Exception:
                 self.acked.add(p)

@@ -103,9 +103,7 @@ class MultiTransport(Transport):
         """Each module's ``settle`` (see :meth:`TcpTransport.settle`)."""
         deadline = time.monotonic() + timeout
         for m in self.modules:
-            settle = getattr(m, "settle", None)
-            if settle is not None:
-                settle(max(0.0, deadline - time.monotonic()))
+            m.settle(max(0.0, deadline - time.monotonic()))
 
     # -- wiring ------------------------------------------------------------
     def attach(self, deliver, lost, landing=None) -> None:
