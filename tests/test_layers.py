@@ -82,6 +82,17 @@ def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
     finally:
         core.unregister(210)
     assert 210 not in core.HANDLERS and 210 not in core.SERVED_WHILE_BUSY
+    # a handler of its own while a method computes (as FORWARD has)
+    assert core.SERVED_WHILE_BUSY[core.FORWARD] is not core.HANDLERS[core.FORWARD]
+    busy = lambda eng, src, msg: False  # noqa: E731
+    core.register(210, lambda eng, src, msg: None, served_while_busy=busy)
+    try:
+        assert core.SERVED_WHILE_BUSY[210] is busy
+    finally:
+        core.unregister(210)
+    with pytest.raises(TypeError, match="served_while_busy must be True, False or a handler"):
+        core.register(210, lambda eng, src, msg: None, served_while_busy=5)
+    assert 210 not in core.HANDLERS
 
 
 @pytest.mark.parametrize("opcode, error, text", [

@@ -290,7 +290,7 @@ class Engine:
         self.stopping = False
         self.dispatching = False
         self.in_inline = False
-        self.in_guard: Optional[str] = None  # the method whose guard is being evaluated
+        self.in_guard: Optional[Tuple[str, str]] = None  # (object, method) whose guard runs
         self._kept: Any = ()  # what serve_arrived leaves for the engine, in this round
         self.interrupted_call: Optional[Call] = None  # whose thread an interrupt ended
         # service while user code runs (see SERVED_WHILE_BUSY): `user` is True
@@ -826,7 +826,7 @@ class Engine:
         wait, the object would look again meanwhile (with the guard half
         evaluated), or the engine would step inside the guard."""
         raise errors.DeadlockError(
-            f"the guard of {self.in_guard} waits{' ' + what if what else ''}: a guard is "
+            f"the guard of {'.'.join(self.in_guard)}() waits{' ' + what if what else ''}: a guard is "
             f"evaluated while its object looks for its next call, and must not wait. Keep "
             f"what it needs in the object's state (a method can fetch it)")
 
@@ -2043,15 +2043,20 @@ class Engine:
         traceback.print_exception(type(exc), exc, exc.__traceback__)
         if call is None:
             return
+        err = errors.MacroflowError(
+            f"internal error of macroflow on context {self.id} while running "
+            f"{self._call_label(call)}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self._end_call(call, err)
+
+    def _end_call(self, call: Call, err: BaseException) -> None:
+        """Fail ``call``, whose thread ended without finishing it, with
+        ``err`` (unless its value was given already), and free what it held."""
         slot = self.slots.get(call.fid)
         if not call.answered or (slot is not None and slot.state != FINISHED and slot.alias is None):
             if call.answered:  # it failed in the middle of answering: counted finished already
                 call.answered = False
                 self.active += 1
-            err = errors.MacroflowError(
-                f"internal error of macroflow on context {self.id} while running "
-                f"{self._call_label(call)}: {type(exc).__name__}: {exc}")
-            err.__cause__ = exc
             try:
                 self._finish(call, False, err)
             except Exception:
@@ -2065,14 +2070,9 @@ class Engine:
         in, and goes on to the main program in this process (inproc): that
         call fails with it, and its object is free for the next call."""
         call, self.interrupted_call = self.interrupted_call, None
-        if call is None:
-            return
-        if not call.answered:
-            self._finish(call, False, exc)
-        kind = self.call_kinds.get(call.kind)
-        if kind is not None:
-            kind.abandon(call)
-        self.transport.flush()
+        if call is not None:
+            self._end_call(call, exc)
+            self.transport.flush()
 
     # ------------------------------------------------------------------ queries
     def snapshot(self) -> Dict[str, Any]:
@@ -2194,8 +2194,9 @@ HANDLERS: Dict[int, Handler] = {}
 #: do not add to it directly. A handler here must not run user code that may
 #: wait, switch lightweight threads or start a method; it may run in the
 #: service thread (see macroflow.core.threads). The engine's own loop
-#: dispatches these opcodes to the same handlers (FORWARD's has one of its own
-#: here); one that returns False leaves its message in the inbox, in order.
+#: dispatches these opcodes to the same handlers, unless one was registered
+#: for these times (FORWARD's); one that returns False leaves its message in
+#: the inbox, in order.
 SERVED_WHILE_BUSY: Dict[int, Handler] = {}
 
 _OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
@@ -2207,13 +2208,15 @@ _OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
 LANDINGS: Dict[int, Callable[["Engine", int, Any, int], Optional[memoryview]]] = {}
 
 
-def register(opcode: int, handler: Handler, served_while_busy: bool = False,
+def register(opcode: int, handler: Handler, served_while_busy: Any = False,
              landing: Optional[Callable[["Engine", int, Any, int], Optional[memoryview]]]
              = None) -> None:
     """Make the engine of every context run ``handler(engine, src, msg)`` for
     each message whose header (a tuple sent with ``engine.send``) starts with
     ``opcode``; ``served_while_busy`` also serves it while a method of that
-    context computes (see "Service while a context computes" in the guide).
+    context computes (see "Service while a context computes" in the guide):
+    True, by ``handler``, or by a handler of its own for those times (one
+    that returns False leaves the message in the inbox, in its order).
 
     ``landing(engine, src, head, nbytes)``, if given, is asked where each
     large out-of-band buffer of such a message should be received (``head``
@@ -2228,7 +2231,8 @@ def register(opcode: int, handler: Handler, served_while_busy: bool = False,
     every context (a forked or spawned process imports it too) knows it.
 
     Raises:
-        TypeError: ``opcode`` is not an int, or ``handler`` is not callable.
+        TypeError: ``opcode`` is not an int, or ``handler`` (or
+            ``served_while_busy``, if not a bool) is not callable.
         ValueError: ``opcode`` is out of range or already registered (the
             error names what holds it; :func:`unregister` frees it).
 
@@ -2260,13 +2264,16 @@ def register(opcode: int, handler: Handler, served_while_busy: bool = False,
     if opcode in HANDLERS or opcode == CALL:
         raise ValueError(f"opcode {opcode} is already registered (to {_OWNERS[opcode]}); "
                          f"unregister it first")
+    if served_while_busy not in (False, True) and not callable(served_while_busy):
+        raise TypeError(f"served_while_busy must be True, False or a handler; "
+                        f"got {type(served_while_busy).__name__}")
     if landing is not None and not callable(landing):
         raise TypeError(f"landing must be callable as landing(engine, src, head, nbytes); "
                         f"got {type(landing).__name__}")
     HANDLERS[opcode] = handler
     _OWNERS[opcode] = getattr(handler, "__qualname__", repr(handler))
     if served_while_busy:
-        SERVED_WHILE_BUSY[opcode] = handler
+        SERVED_WHILE_BUSY[opcode] = handler if served_while_busy is True else served_while_busy
     if landing is not None:
         LANDINGS[opcode] = landing
 
@@ -2638,8 +2645,7 @@ def _serve_joined(eng: Engine, src: int, msg: tuple) -> None:
 
 
 _OWNERS[CALL] = "the engine's loop"
-register(FORWARD, _serve_forward, served_while_busy=True)
-SERVED_WHILE_BUSY[FORWARD] = _serve_forward_busy
+register(FORWARD, _serve_forward, served_while_busy=_serve_forward_busy)
 register(RELEASE, _serve_release, served_while_busy=True)
 register(RSR, _serve_rsr)
 register(RSR_NOW, _serve_rsr_now, served_while_busy=True)

@@ -313,19 +313,20 @@ class ObjectHost(Model):
             guard = meth.__mf_guard__
             st.calls_examined += 1
             st.guards_evaluated += 1
-            eng.in_guard = f"{obj.label}.{call.method}()"  # a wait in it raises
             try:
-                # bool() here: a value without a truth value (a numpy array) fails the call
-                if meth.__mf_guard_args__:
-                    ok = bool(guard(obj.instance, *eng._fill(call.args, call),
-                                    **eng._fill_kw(call)))
-                else:
-                    ok = bool(guard(obj.instance))
+                eng.in_guard = (obj.label, call.method)  # a wait in it raises
+                try:
+                    # bool() here: a value without a truth value (a numpy array) fails the call
+                    if meth.__mf_guard_args__:
+                        ok = bool(guard(obj.instance, *eng._fill(call.args, call),
+                                        **eng._fill_kw(call)))
+                    else:
+                        ok = bool(guard(obj.instance))
+                finally:
+                    eng.in_guard = None
             except INTERRUPTS:
-                eng.in_guard = None
                 raise
             except BaseException as e:  # a failing guard fails its call
-                eng.in_guard = None
                 note = f"raised by the guard of {obj.label}.{call.method}()"
                 if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
                     e.add_note(note)  # (3.11 on) its message may not say it was the guard
@@ -333,11 +334,10 @@ class ObjectHost(Model):
                 obj.queued -= 1
                 eng._finish(call, False, e)
                 continue  # (a guard changes nothing: the others stand as they were)
-            eng.in_guard = None
             if ok:
                 obj.gready.remove(entry)
                 obj.queued -= 1
-                obj.gstamp = -1  # the method may change everything
+                obj.gstamp = -1  # gfresh may hold it still, and the method changes the state
                 return call
             # later calls whose guards hold may pass this one
         obj.gfresh, obj.gstamp = later, stamp

@@ -109,13 +109,6 @@ class World:
             import heapq
             heapq.heappush(waiter.engine.timers, (time.monotonic(), id(waiter), waiter))
 
-    def _interrupted(self, eng, e: BaseException) -> None:
-        """``KeyboardInterrupt`` came out of context ``eng``'s user code (Ctrl-C,
-        or a method that raised it): it goes on to the main program, which
-        shares this thread. The call it ended fails with it and frees its
-        object, which would otherwise stay busy for ever (its thread is gone)."""
-        eng.interrupted(e)  # type: ignore[attr-defined]
-
     def _wake_yielded(self) -> None:
         waiters, self.yielded = self.yielded, []
         for w in waiters:
@@ -146,7 +139,7 @@ class World:
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     except KeyboardInterrupt as e:
-                        self._interrupted(eng, e)
+                        eng.interrupted(e)  # type: ignore[attr-defined]
                         raise
                     finally:
                         eng.stop_at = None  # type: ignore[attr-defined]
@@ -178,7 +171,7 @@ class World:
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     except KeyboardInterrupt as e:
-                        self._interrupted(eng, e)
+                        eng.interrupted(e)  # type: ignore[attr-defined]
                         raise
                 continue
             if deadline is not None:
