@@ -574,21 +574,27 @@ def _session_main(cfg: Config) -> Dict[str, Any]:
     # bandwidth: a 16 MB array passed to a persistent method that returns it
     nbytes = cfg.bw_bytes
     arr = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    out["bandwidth_roundtrip_us"] = _echo_us(p, arr, cfg, None, "bandwidth")
+    out["bandwidth_mb_s"] = 2 * nbytes / out["bandwidth_roundtrip_us"]
+    del arr
+    return out
+
+
+def _echo_us(p: Any, arr: np.ndarray, cfg: Config, timeout: Optional[float], what: str) -> float:
+    """The median round trip, in us, of ``arr`` to ``p.echo`` and back, after
+    ``cfg.bw_warmup`` untimed ones that check it comes back the same."""
     for _ in range(cfg.bw_warmup):
-        back = p.echo(arr).result()
+        back = p.echo(arr).result(timeout)
         if not np.array_equal(back, arr):
-            raise RuntimeError("bandwidth: the array came back different")
+            raise RuntimeError(f"{what}: the array came back different")
         del back
     samples = []
     for _ in range(cfg.bw_iters):
         t0 = _ns()
-        back = p.echo(arr).result()
+        back = p.echo(arr).result(timeout)
         samples.append(_ns() - t0)
         del back
-    out["bandwidth_roundtrip_us"] = _median(samples) / 1e3
-    out["bandwidth_mb_s"] = 2 * nbytes / out["bandwidth_roundtrip_us"]
-    del arr
-    return out
+    return _median(samples) / 1e3
 
 
 def _mpi_session(cfg: Config) -> Dict[str, float]:
@@ -602,18 +608,7 @@ def _mpi_session(cfg: Config) -> Dict[str, float]:
     p.null(0).result(30)
     out["mpi_null_rpc_persistent_us"] = _sync_us(lambda i: p.null(i).result(), n, w)
     arr = np.random.default_rng(1).integers(0, 256, cfg.bw_bytes, dtype=np.uint8)
-    for _ in range(cfg.bw_warmup):
-        back = p.echo(arr).result(60)
-        if not np.array_equal(back, arr):
-            raise RuntimeError("mpi bandwidth: the array came back different")
-        del back
-    samples = []
-    for _ in range(cfg.bw_iters):
-        t0 = _ns()
-        back = p.echo(arr).result(60)
-        samples.append(_ns() - t0)
-        del back
-    out["mpi_bandwidth_roundtrip_us"] = _median(samples) / 1e3
+    out["mpi_bandwidth_roundtrip_us"] = _echo_us(p, arr, cfg, 60, "mpi bandwidth")
     out["mpi_bandwidth_mb_s"] = 2 * cfg.bw_bytes / out["mpi_bandwidth_roundtrip_us"]
 
     # mpi4py's own: context 1 runs a method that echoes with Recv/Send
