@@ -74,7 +74,7 @@ def pytest_sessionfinish(session, exitstatus):
     """MPICH's process manager writes a topology file to /tmp for each job
     (TMPDIR or not) and leaves it there when the job does not end in order
     (an MPI_Abort, or ranks that never called MPI_Init), as some tests make
-    it do on purpose: the ones this session made, that nothing holds open
+    it do on purpose: the ones this test run made, that nothing holds open
     any more, go with it."""
     import glob
     import os
