@@ -804,6 +804,51 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
     assert "after finalizing" not in out + err and "assert" not in err, err
 
 
+PRINTS_IN_FINALLY = """
+    import sys, time
+
+    def main():
+        try:
+            open(sys.argv[1], "w").write("waiting")
+            print("main started", flush=True)
+            time.sleep(3600)
+        finally:
+            print("main's finally ran", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("whom", ["macroflow run alone", "its process group", "it twice"])
+def test_what_main_prints_after_ctrl_c_under_macroflow_run_mpi_is_passed_on(tmp_path, whom):
+    # the job's output was read in the main thread, which stopped reading at
+    # the Ctrl-C: what main's finally printed was lost; a second Ctrl-C while
+    # the job ended ended macroflow run with a traceback
+    script, flag = tmp_path / "job.py", tmp_path / "flag"
+    script.write_text(textwrap.dedent(PRINTS_IN_FINALLY))
+    cmd = [sys.executable, "-m", "macroflow", "run", "-n", "2", "--transport", "mpi",
+           str(script), str(flag)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if whom == "its process group":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            os.kill(p.pid, signal.SIGINT)
+            if whom == "it twice":
+                os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, (p.returncode, out, err)
+    assert "main started" in out and "main's finally ran" in out, (out, err)
+    assert "Traceback" not in err, err
+
+
 def test_a_frame_over_4_kib_keeps_its_sender_looking_at_mpi_until_it_has_left():
     # MPICH may need the sender's progress to send such a frame (the first to a
     # peer): a sender that went to sleep held it until it woke

@@ -18,6 +18,8 @@ import os
 import platform
 import signal
 import sys
+import threading
+import time
 import types
 from typing import Any, Dict, List, Optional
 
@@ -338,17 +340,19 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
         env = dict(os.environ, **{CONTEXTS_FILE: table}, **watcher.env)
         p = subprocess.Popen(mpiexec_command(args, mpiexec), env=env, stdout=subprocess.PIPE)
         report: List[bytes] = []  # mpiexec's report of a failed job, passed on too
+        # the job's output is passed on by a thread of its own, so that what
+        # the ranks print after a Ctrl-C (main's finally) is passed on too
+        # while the job ends
+        relay = threading.Thread(target=_relay_output, args=(p.stdout, report),
+                                 name="macroflow-mpiexec-output", daemon=True)
+        relay.start()
         try:
-            for line in p.stdout:  # type: ignore[union-attr]
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
-                if b"RUNNING AT" in line or report:
-                    report.append(line)
             code = p.wait()
             interrupted = False
         except KeyboardInterrupt:
             code, interrupted = _end_job(p), True
         finally:
+            relay.join(5)
             watcher.stop()
             watcher.thread.join(5)
         if code != 0:
@@ -367,28 +371,59 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
         return code
 
 
+def _relay_output(stream: Any, report: List[bytes]) -> None:
+    """Copy an ``mpiexec`` job's output to ours, line by line, until it ends;
+    keep its report of a failed job (from "RUNNING AT" on) in ``report``.
+
+    Example:
+        >>> import io, contextlib
+        >>> report = []
+        >>> out = io.TextIOWrapper(io.BytesIO())
+        >>> with contextlib.redirect_stdout(out):
+        ...     _relay_output(io.BytesIO(b"hello\\n= RUNNING AT host\\nmore\\n"), report)
+        >>> report
+        [b'= RUNNING AT host\\n', b'more\\n']
+    """
+    for line in stream:
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+        if b"RUNNING AT" in line or report:
+            report.append(line)
+
+
 def _end_job(p: Any) -> int:
     """Ctrl-C reached ``macroflow run`` (alone, or with the whole process group):
     pass it on to mpiexec, which passes it on to the ranks, and wait for the
     job to end; SIGTERM and then SIGKILL if it does not within a few seconds
     (or at another Ctrl-C). Returns 130, the shell's code for Ctrl-C."""
     import subprocess
-    steps = ((None, 1.0), (signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0))
-    for sig, grace in steps:
-        # first none: a Ctrl-C at the terminal reached mpiexec too, and a
-        # second one while it passes the first on makes its proxy fail
-        if p.poll() is not None:
-            break
-        try:
-            if sig is not None:
-                p.send_signal(sig)
-        except ProcessLookupError:
-            break
-        try:
-            p.wait(grace)
-            break
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            continue
+    # from here a Ctrl-C only hurries the job's end: one raised as an
+    # exception could land anywhere here, between two steps, and end this
+    # process with a traceback while the job runs on
+    again: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: again.append(signum))
+    try:
+        steps = ((None, 1.0), (signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0))
+        for sig, grace in steps:
+            # first none: a Ctrl-C at the terminal reached mpiexec too, and a
+            # second one while it passes the first on makes its proxy fail
+            if p.poll() is not None:
+                break
+            try:
+                if sig is not None:
+                    p.send_signal(sig)
+            except ProcessLookupError:
+                break
+            seen, end = len(again), time.monotonic() + grace
+            while p.poll() is None and len(again) == seen and time.monotonic() < end:
+                try:
+                    p.wait(0.05)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.poll() is not None:
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 130
 
 
