@@ -1,6 +1,7 @@
 """Marshalling: pickle 5 with out-of-band buffers, by-value for what can't be imported."""
 
 import pickle
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -429,3 +430,34 @@ def test_a_result_the_receiver_cannot_unpickle_names_that_context(run):
 
     said = run(main, contexts=2)
     assert said.startswith("a value could not be unpickled on context 0: ValueError"), said
+
+
+def test_a_scripts_classes_go_by_value_to_receivers_that_did_not_run_it():
+    # `macroflow run` loads a script as the module __mf_script__: a context
+    # added later (a spawned MPI rank, a worker that joins) never ran it, so
+    # its classes and functions must travel by value, as __main__'s do
+    import types
+    mod = types.ModuleType("__mf_script__")
+    exec("SCALE = 3\n"
+         "def helper(x):\n    return x * SCALE\n"
+         "class K:\n    def f(self, x):\n        return helper(x)\n", mod.__dict__)
+    saved_mod, saved_snapshot = sys.modules.get("__mf_script__"), marshal._main_snapshot
+    sys.modules["__mf_script__"] = mod
+    try:
+        marshal.snapshot_main()  # forked children share the module: by reference
+        data, bufs = marshal.dumps(mod.K)
+        assert b"__mf_script__" in data and len(data) < 60
+        marshal.main_by_value()  # from now on receivers that never ran it
+        data, bufs = marshal.dumps(mod.K)
+        del sys.modules["__mf_script__"]  # the receiver has no such module
+        K = marshal.loads(data, bufs)
+        assert K().f(5) == 15  # by reference, it would not load here
+        # cloudpickle was told for that one pickle only
+        assert "__mf_script__" not in getattr(marshal.cloudpickle.cloudpickle,
+                                              "_PICKLE_BY_VALUE_MODULES", set())
+    finally:
+        marshal._main_snapshot = saved_snapshot
+        if saved_mod is not None:
+            sys.modules["__mf_script__"] = saved_mod
+        else:
+            sys.modules.pop("__mf_script__", None)

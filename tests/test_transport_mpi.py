@@ -804,6 +804,61 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
     assert "after finalizing" not in out + err and "assert" not in err, err
 
 
+ADDS_A_CONTEXT = """
+    import macroflow as mf
+
+    SCALE = 3
+
+    def helper(x):
+        return x * SCALE
+
+    @mf.persistent
+    class K:
+        def f(self, x):
+            return helper(x)
+
+    def main():
+        [c] = mf.add_contexts(1)
+        k = K.create(on=c)
+        print("on", c, k.f(5).result(timeout=60), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_context_added_under_macroflow_run_mpi_serves_the_scripts_classes(tmp_path):
+    # the script is a module (__mf_script__) that the added rank never
+    # loaded: its classes went by name, and the rank could not unpickle them
+    code, out, err = _mpiexec(tmp_path, 2, ADDS_A_CONTEXT, cli=True, timeout=150)
+    assert code == 0, (out, err)
+    assert "on 2 15" in out, (out, err)
+
+
+def test_macroflow_run_can_name_a_context_added_while_the_job_ran(tmp_path):
+    # the table context 0 writes names the ranks the job began with; a rank
+    # added later is noted beside it (note_added), and named when it dies
+    from macroflow.cli import FirstToEnd
+    table = str(tmp_path / "contexts")
+    with open(table, "w") as f:
+        f.write("0 h 100\n1 h 101\n")
+    w = FirstToEnd(table)
+    try:
+        assert w.thread.join(10) is None and w.rows == {100: (0, "h"), 101: (1, "h")}
+        old = os.environ.get(M.CONTEXTS_FILE)
+        os.environ[M.CONTEXTS_FILE] = table
+        try:
+            M.note_added({2: ("h", 102)})
+        finally:
+            if old is None:
+                del os.environ[M.CONTEXTS_FILE]
+            else:
+                os.environ[M.CONTEXTS_FILE] = old
+        w.deaths[:] = [(102, 9), (101, None)]  # (pid, wait status: SIGKILL)
+        assert w.first == [(2, 102, "h", 9)]
+        assert w.describe().startswith("context 2 (pid 102 on h) was killed by signal SIGKILL")
+    finally:
+        w.stop()
+
+
 PRINTS_IN_FINALLY = """
     import sys, time
 

@@ -239,10 +239,23 @@ class FirstToEnd:
     def first(self) -> List[tuple]:
         """[(context, pid, host, wait status or None)] of the rank that died first."""
         for pid, status in self.deaths:
+            if pid not in self.rows:
+                self._read_added()
             if pid in self.rows:
                 rank, host = self.rows[pid]
                 return [(rank, pid, host, status)]
         return []
+
+    def _read_added(self) -> None:
+        # contexts added while the job ran (mf.add_contexts): context 0 notes
+        # them beside the table (see macroflow.transport.mpi.note_added)
+        try:
+            with open(self.table + ".added") as f:
+                rows = [r.split() for r in f if r.strip()]
+        except OSError:
+            return
+        for rank, host, pid in rows:
+            self.rows.setdefault(int(pid), (int(rank), host))
 
     def exit_code(self, output: str = "") -> Optional[int]:
         """How the rank that died first ended, as a shell's exit status (its

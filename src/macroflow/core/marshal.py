@@ -33,8 +33,12 @@ OOB_THRESHOLD = 32 * 1024
 _BIG_DUMP = 1024  # an in-band stream this long may have grown the memo
 
 # Snapshot of __main__ taken when contexts were forked: these objects exist by
-# the same name in every child, so they can travel by reference.
+# the same name in every child, so they can travel by reference. Keyed by
+# module: a script that `macroflow run` loaded is a main program too.
 _main_snapshot: Optional[dict] = None
+#: the modules a program's own definitions live in: ``__main__``, and the
+#: module `macroflow run` loads a script as
+SCRIPT_MODULES = ("__main__", "__mf_script__")
 # Weakly keyed: a lambda made per call must not live forever because it was sent.
 _by_value_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> blob
 _ref_ok: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # obj -> by reference?
@@ -52,8 +56,8 @@ _pointers: dict = {}
 def snapshot_main() -> None:
     """Record what ``__main__`` holds now; forked children share exactly this."""
     global _main_snapshot
-    main = sys.modules.get("__main__")
-    _main_snapshot = dict(vars(main)) if main is not None else {}
+    _main_snapshot = {name: dict(vars(sys.modules[name]))
+                      for name in SCRIPT_MODULES if name in sys.modules}
 
 
 def main_by_value() -> None:
@@ -74,8 +78,8 @@ def _needs_value(obj: Any) -> bool:
     if "<locals>" in qualname or "<lambda>" in qualname:
         return True
     module = getattr(obj, "__module__", None)
-    if module == "__main__" and _main_snapshot is not None:
-        return _main_snapshot.get(qualname) is not obj
+    if module in SCRIPT_MODULES and _main_snapshot is not None:
+        return _main_snapshot.get(module, {}).get(qualname) is not obj
     # (in one process, __main__ is the receiver's too: found there by its name
     # it goes by reference; one made by type() under another name, by value)
     try:
@@ -93,7 +97,7 @@ def _needs_value(obj: Any) -> bool:
         _ref_ok[obj] = ok
     except TypeError:
         pass
-    if ok and module != "__main__" and len(_by_ref) < _LOADED_MAX:
+    if ok and module not in SCRIPT_MODULES and len(_by_ref) < _LOADED_MAX:
         _by_ref[obj] = True
     return not ok
 
@@ -257,6 +261,26 @@ def _reduce_pointer(g: GlobalPointer) -> Any:
     return _pointer, (blob,)
 
 
+def _cloudpickle(obj: Any) -> bytes:
+    """``obj`` (a function or a class) pickled by value: cloudpickle does so
+    by itself for ``__main__``'s; a script's module (`macroflow run`) is
+    importable here, so cloudpickle is told, for this one pickle.
+
+    Example:
+        >>> def f(x): return x + 1
+        >>> cloudpickle.loads(_cloudpickle(f))(1)
+        2
+    """
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module.__name__ not in SCRIPT_MODULES[1:]:
+        return cloudpickle.dumps(obj, protocol=5)
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj, protocol=5)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
 class _Pickler(pickle.Pickler):
     # reducer_override is not consulted for str/int/float/bytes/None, so small
     # messages pay for it only on their containers.
@@ -275,7 +299,7 @@ class _Pickler(pickle.Pickler):
             if _needs_value(obj):
                 blob = _by_value_cache.get(obj)
                 if blob is None:
-                    blob = cloudpickle.dumps(obj, protocol=5)
+                    blob = _cloudpickle(obj)
                     try:
                         _by_value_cache[obj] = blob
                     except TypeError:

@@ -309,7 +309,7 @@ class DeathWatch:
 
     WINDOW = 0.05  # seconds of deaths ordered together (see _tell)
     _mine: Optional["DeathWatch"] = None  # this process's, for the ranks it spawns
-    _reporting: Optional[socket.socket] = None  # in a spawned rank: its connection
+    _reporting: List[socket.socket] = []  # in a rank: its connections to watches
     PID = struct.Struct("<Q")
 
     def __init__(self, name: str, on_death: Callable[[int, Optional[int]], None]):
@@ -430,20 +430,21 @@ class DeathWatch:
 
     @classmethod
     def report_to(cls, name: str) -> None:
-        """In a spawned rank: connect to the parent's watch (nothing if it cannot)."""
+        """In a rank: connect to a watch (the parent's, or `macroflow run`'s;
+        nothing if it cannot)."""
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(cls.address_of(name))
             s.sendall(cls.PID.pack(os.getpid()))
-            cls._reporting = s
+            cls._reporting = [*cls._reporting, s]
         except OSError:
             pass
 
     @classmethod
     def bye(cls) -> None:
-        """In a spawned rank that ends in order: say so before the connection closes."""
-        s, cls._reporting = cls._reporting, None
-        if s is not None:
+        """In a rank that ends in order: say so before the connections close."""
+        socks, cls._reporting = cls._reporting, []
+        for s in socks:
             try:
                 s.sendall(b"B")
             except OSError:
@@ -2262,6 +2263,10 @@ def _spawned(entry: str, watch: Optional[str] = None) -> None:  # pragma: no cov
     leave. ``watch`` is the name of the parent's :class:`DeathWatch`."""
     if watch is not None:
         DeathWatch.report_to(watch)
+    if os.environ.get(WATCH_ENV):
+        # under `macroflow run`, a rank added to the job: should it die, the
+        # command names it (see note_added)
+        DeathWatch.report_to(os.environ[WATCH_ENV])
     MPI = mpi()
     parent = MPI.Comm.Get_parent()
     comm = parent.Merge(high=True)
@@ -2462,6 +2467,24 @@ def note_job_error(rank: int) -> None:
         try:
             with open(table + ".error", "a") as f:
                 f.write(f"{rank}\n")
+        except OSError:
+            pass
+
+
+def note_added(hosts: Dict[int, Tuple[str, int]]) -> None:
+    """Under ``macroflow run --transport mpi``, note the contexts just added
+    (context -> (host, pid)) beside the job's table, so that the command can
+    name one that dies; nothing elsewhere.
+
+    Example:
+        >>> note_added({2: ("h", 123)})  # not under macroflow run: nothing to note
+    """
+    table = os.environ.get(CONTEXTS_FILE)
+    if table:
+        try:
+            with open(table + ".added", "a") as f:
+                for c, (h, pid) in sorted(hosts.items()):
+                    f.write(f"{c} {h} {pid}\n")
         except OSError:
             pass
 
@@ -2741,6 +2764,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         t.release += [parent, inter]
         for i, c in enumerate(ids):
             self.hosts[c] = hellos[i + 1]
+        note_added({c: self.hosts[c] for c in ids})
         self.added.update(ids)
         live = [0] + [c for c in t.peers() if c not in eng.lost]
         names = {0: socket.gethostname(), **{c: h for c, (h, _) in self.hosts.items()}}
