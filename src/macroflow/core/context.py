@@ -53,9 +53,11 @@ RETIRED   (op, cid, heir, members), from the heir: send what was for cid to
           the heir from now on, after a RETIRE_ACK to cid
 RETIRE_ACK  nothing more will come to the retiring context from the sender
 LEFT      (op,): the retiring context is leaving, to context 0
+BIG       (op, fid), from a value's home to its issuer: the value is large
+          and nobody took it unasked: release its future at once, not in a batch
 ========  ==============================================================
 
-Opcodes 17..255 are free for models (:func:`register`).
+Opcodes 18..255 are free for models (:func:`register`).
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
@@ -99,6 +101,7 @@ from .stats import Counters
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
 RSR_NOW = 11
 RETIRE, HANDOVER, RETIRED, RETIRE_ACK, LEFT = range(12, 17)
+BIG = 17
 _encode = marshal._encoder.dumps
 _pdumps = pickle.dumps
 _ploads = pickle.loads
@@ -109,6 +112,7 @@ _PLAIN = marshal.PLAIN  # the commonest results and arguments: the C pickler's
 SYSTEM = "s"
 RELEASE_BATCH = 64
 BIG_VALUE = 1 << 20  # futures of values this large are released without batching
+BIG_MAX = 4096  # large values noted at their issuer (BIG) before their futures are dropped
 EARLY_MAX = 4096  # unclaimed early values kept at most (their futures may be gone)
 EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be asked for
 PINNED, EAGER = 1, 2
@@ -271,6 +275,9 @@ class Engine:
         self.left: set = set()  # removed contexts that have left (context 0)
         self.exports: Dict[Any, Any] = {}  # global pointers to plain objects and buffers
         self.releases: List[Any] = []  # (home, fid, arcs) of futures dropped here
+        # fids of live futures whose homes said their values are large (BIG):
+        # released at once when dropped
+        self.big: set = set()
         self.n_releases = 0
         self.lost: Dict[int, str] = {}
         self.fatal: Dict[int, str] = {}  # peers that reported an internal error before ending
@@ -647,7 +654,8 @@ class Engine:
         # one append, whole: the service mechanism may flush between any two
         # bytecodes here (a future dropped by a method that computes)
         self.releases.append((f._home, f._fid, f._arcs))
-        if f._big:
+        if f._big or (self.big and f._fid in self.big):
+            self.big.discard(f._fid)
             # the home holds large buffers for it: free them at the next step
             # (not from here: __del__ may run in the middle of anything)
             self.n_releases = max(self.n_releases, RELEASE_BATCH)
@@ -1300,6 +1308,8 @@ class Engine:
             data = _pdumps(value, 5)
             slot.state = FINISHED
             slot.ok, slot.data, slot.bufs = True, data, []
+            if len(data) >= BIG_VALUE:
+                self._big_value(fid)  # (see below)
             if slot.subs:
                 subs, slot.subs = slot.subs, []
                 st = self.stats
@@ -1312,6 +1322,12 @@ class Engine:
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
             self._send_eager(call, ok, data, bufs)
+        elif not slot.released and (len(data) >= BIG_VALUE or bufs and
+                                    len(data) + sum(b.raw().nbytes for b in bufs) >= BIG_VALUE):
+            # a large value its issuer will not fetch (an argument of other
+            # calls, say): its future's release is to come at once, or the
+            # value would stay here until 63 more futures were dropped there
+            self._big_value(fid)
         self._complete(fid, slot, ok, data, bufs)
         if keep_running:
             self.transport.flush()
@@ -1418,6 +1434,19 @@ class Engine:
                 if alias[1] not in self.lost or alias[1] in self.heirs:
                     self.send(alias[1], (RELEASE, _pack_release([(alias[0], slot.expect)])))
 
+    def _big_value(self, fid) -> None:
+        """Tell ``fid``'s issuer that its value here is large (see BIG)."""
+        if fid[0] == self.id:
+            self._on_big(fid)
+        elif fid[0] not in self.lost or fid[0] in self.heirs:
+            self.send(fid[0], (BIG, fid))
+
+    def _on_big(self, fid) -> None:
+        if any(r[1] == fid for r in self.releases):
+            self.n_releases = max(self.n_releases, RELEASE_BATCH)  # dropped already
+        elif len(self.big) < BIG_MAX:
+            self.big.add(fid)  # noted on the future when it is dropped (release)
+
     def _on_release(self, items) -> None:
         slots = self.slots
         for fid, arcs in items:
@@ -1449,7 +1478,8 @@ class Engine:
             if f is None and ref is not None:
                 f = ref()
             if f is not None:
-                if bufs and sum(len(b) for b in bufs) >= BIG_VALUE:
+                # (large bytes or str travel in band, arrays out of band)
+                if len(data) >= BIG_VALUE or (bufs and sum(len(b) for b in bufs) >= BIG_VALUE):
                     f._big = True
                 f._set(ok, value)
             elif ref is None:
@@ -2227,7 +2257,7 @@ def register(opcode: int, handler: Handler, served_while_busy: Any = False,
     the kernel's or MPI's own); the handler finds that view in the message.
 
     Opcodes are small ints (0..255) taken by one handler each: the core's own
-    are ``CALL`` to ``LEFT`` (0..16). Register when the module is imported, so that
+    are ``CALL`` to ``BIG`` (0..17). Register when the module is imported, so that
     every context (a forked or spawned process imports it too) knows it.
 
     Raises:
@@ -2575,6 +2605,10 @@ def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_release(_unpack_release(msg[1]))
 
 
+def _serve_big(eng: Engine, src: int, msg: tuple) -> None:
+    eng._on_big(tuple(msg[1]))
+
+
 class _Unreadable:
     """Arguments (and, for a stateless object, its class) that could not be
     unpickled: iterating them, constructing one, or looking up a method
@@ -2660,6 +2694,7 @@ register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))
 register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]))
 register(RETIRE_ACK, lambda eng, src, msg: eng._on_retire_ack(src))
 register(LEFT, lambda eng, src, msg: eng.left.add(src))
+register(BIG, _serve_big, served_while_busy=True)
 
 
 def _after_fatal(trace: str) -> str:
