@@ -117,10 +117,13 @@ class MultiTransport(Transport):
         def deliver(src: int, bufs: List[object], load: int) -> None:
             counts["messages_received"] += 1
             b0 = memoryview(bufs[0])
+            # with the frame's header, as the engine counts it and as the
+            # sender's module counted it (its send's return)
             if len(bufs) == 1:  # the commonest frame: no generator to sum over
-                counts["bytes_received"] += b0.nbytes
+                counts["bytes_received"] += 16 + b0.nbytes
             else:
-                counts["bytes_received"] += sum(memoryview(b).nbytes for b in bufs)
+                counts["bytes_received"] += 8 + 8 * len(bufs) + sum(memoryview(b).nbytes
+                                                                     for b in bufs)
             if b0.nbytes and b0[0] == _CONTROL_BYTE:  # the transport's own: never the engine's
                 kind, payload = pickle.loads(b0[1:])
                 if kind == "learn":
