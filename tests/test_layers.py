@@ -62,20 +62,20 @@ def test_the_spmd_model_takes_opcodes_above_the_cores():
     from macroflow.spmd import model as spmd
     ours = [spmd.GET, spmd.PUT, spmd.MEMREPLY, spmd.COLL, spmd.ENDED, spmd.STATUS,
             spmd.STATUS_REPLY, spmd.REVOKED, spmd.WAKE]
-    assert all(op >= 18 and op in core.HANDLERS for op in ours)
+    assert all(op >= 19 and op in core.HANDLERS for op in ours)
     # the memory it serves while a method computes needs no user code
     assert sorted(op for op in ours if op in core.SERVED_WHILE_BUSY) == sorted(
         [spmd.GET, spmd.PUT, spmd.STATUS, spmd.REVOKED])
 
 
 def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
-    mine = sorted(op for op in core.HANDLERS if op < 18)  # 18..255 are the models'
+    mine = sorted(op for op in core.HANDLERS if op < 19)  # 19..255 are the models'
     assert mine == sorted(
         [core.FORWARD, core.RELEASE, core.RSR, core.RSR_NOW, core.READY, core.SHUTDOWN,
          core.FATAL, core.PROBE, core.MEMBERS, core.JOINED, core.RETIRE, core.HANDOVER,
-         core.RETIRED, core.RETIRE_ACK, core.LEFT, core.BIG])
-    assert sorted(op for op in core.SERVED_WHILE_BUSY if op < 18) == sorted(
-        [core.FORWARD, core.RELEASE, core.RSR_NOW, core.BIG])
+         core.RETIRED, core.RETIRE_ACK, core.LEFT, core.BIG, core.STATS])
+    assert sorted(op for op in core.SERVED_WHILE_BUSY if op < 19) == sorted(
+        [core.FORWARD, core.RELEASE, core.RSR_NOW, core.BIG, core.STATS])
     core.register(210, lambda eng, src, msg: None, served_while_busy=True)
     try:
         assert 210 in core.HANDLERS and 210 in core.SERVED_WHILE_BUSY

@@ -650,8 +650,11 @@ class Holder:
 
 
 @pytest.mark.timeout(60)
-def test_stats_timeout_names_the_contexts_that_did_not_answer(tmp_path):
+def test_stats_timeout_names_the_contexts_that_did_not_answer(tmp_path, monkeypatch):
     release = str(tmp_path / "release")
+    # a context serves nothing while a method computes only without a service
+    # mechanism (with one, it answers at once: see the test below)
+    monkeypatch.setenv("MACROFLOW_SERVICE", "poll")
 
     def main():
         held = Holder.create(on=1)
@@ -1517,3 +1520,32 @@ def test_an_error_after_rtf_is_printed_saying_whose_it_is(capfd):
     assert "macroflow: _AnswersTwice.twice on context 1 raised after it had answered (rtf); " \
            "its caller has its value:\nTraceback from context 1:" in err
     assert "RuntimeError: rtf() was already called in this method" in err
+
+
+@mf.persistent
+class _Spinner:
+    def spin(self, s):
+        end = time.perf_counter() + s
+        while time.perf_counter() < end:  # pure Python, holding the GIL
+            pass
+        return s
+
+
+@pytest.mark.timeout(120)
+def test_stats_answers_while_a_context_computes_with_calls_queued(run, transport):
+    # mf.stats was a call: it waited behind every call queued before it
+    # (60 calls of 50 ms: 2.8 s), though it needs no user code
+    if transport == "inproc":
+        pytest.skip("inproc: nothing runs beside a method; stats waits for its turn")
+
+    def main():
+        p = _Spinner.create(on=1)
+        p.spin(0).result()
+        fs = [p.spin(0.05) for _ in range(40)]  # 2 s of work queued at one object
+        st = mf.stats(timeout=60)
+        mf.gather(fs)
+        return st[1]["calls_executed"], mf.stats()[1]["calls_executed"]
+
+    during, after = run(main, contexts=2)
+    assert after == 42  # the constructor and 41 calls: stats is no call
+    assert during < 20, during  # answered long before the queue ran out (42 before)

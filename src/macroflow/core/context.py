@@ -55,9 +55,11 @@ RETIRE_ACK  nothing more will come to the retiring context from the sender
 LEFT      (op,): the retiring context is leaving, to context 0
 BIG       (op, fid), from a value's home to its issuer: the value is large
           and nobody took it unasked: release its future at once, not in a batch
+STATS     (op, fid): send this context's counters (mf.stats) as the value of
+          fid, at once, even while a method computes here
 ========  ==============================================================
 
-Opcodes 18..255 are free for models (:func:`register`).
+Opcodes 19..255 are free for models (:func:`register`).
 
 The ``route`` field of a CALL packs (transfers << 2) | (eager << 1) | pinned.
 
@@ -101,7 +103,7 @@ from .stats import Counters
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
 RSR_NOW = 11
 RETIRE, HANDOVER, RETIRED, RETIRE_ACK, LEFT = range(12, 17)
-BIG = 17
+BIG, STATS = 17, 18
 _encode = marshal._encoder.dumps
 _pdumps = pickle.dumps
 _ploads = pickle.loads
@@ -1447,6 +1449,25 @@ class Engine:
         elif len(self.big) < BIG_MAX:
             self.big.add(fid)  # noted on the future when it is dropped (release)
 
+    def ask_stats(self, dest: int) -> Future:
+        """A future of context ``dest``'s counters (see :meth:`snapshot`).
+
+        ``dest`` answers at once, even while a method computes there (on
+        ``inproc``, where nothing runs beside a method, when it is its turn).
+        """
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.ask_stats, dest)
+        fid = (self.id, next(self.seq))
+        f = Future(self, fid, dest, None, None)
+        f._escaped = True  # its home keeps nothing: nothing to release
+        if dest == self.id:
+            f._set(True, self.snapshot())
+            return f
+        f._asked = True
+        self.asked[fid] = f
+        self.send(dest, (STATS, fid))
+        return f
+
     def _on_release(self, items) -> None:
         slots = self.slots
         for fid, arcs in items:
@@ -2257,7 +2278,7 @@ def register(opcode: int, handler: Handler, served_while_busy: Any = False,
     the kernel's or MPI's own); the handler finds that view in the message.
 
     Opcodes are small ints (0..255) taken by one handler each: the core's own
-    are ``CALL`` to ``BIG`` (0..17). Register when the module is imported, so that
+    are ``CALL`` to ``STATS`` (0..18). Register when the module is imported, so that
     every context (a forked or spawned process imports it too) knows it.
 
     Raises:
@@ -2609,6 +2630,10 @@ def _serve_big(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_big(tuple(msg[1]))
 
 
+def _serve_stats(eng: Engine, src: int, msg: tuple) -> None:
+    eng.send_value(src, (tuple(msg[1]), None), *eng._pickle_value(True, eng.snapshot()))
+
+
 class _Unreadable:
     """Arguments (and, for a stateless object, its class) that could not be
     unpickled: iterating them, constructing one, or looking up a method
@@ -2695,6 +2720,7 @@ register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]))
 register(RETIRE_ACK, lambda eng, src, msg: eng._on_retire_ack(src))
 register(LEFT, lambda eng, src, msg: eng.left.add(src))
 register(BIG, _serve_big, served_while_busy=True)
+register(STATS, _serve_stats, served_while_busy=True)
 
 
 def _after_fatal(trace: str) -> str:

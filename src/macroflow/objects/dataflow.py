@@ -7,10 +7,9 @@ from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..core import errors
-from ..core.context import SYSTEM, check_timeout, current_engine
-from ..core.future import CallSite, Future, stale_future
+from ..core.context import check_timeout, current_engine
+from ..core.future import Future, stale_future
 
-_STATS_SITE = CallSite("stats")
 
 
 def _deadline(timeout: Any) -> Optional[float]:
@@ -177,9 +176,10 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
     describes every key. Asking costs one message each way per context.
 
     A context lost before or while stats asks is left out. A context
-    answers between two method runs: one running a long method
-    answers when it ends. With ``timeout`` (seconds), stats waits that long
-    at most.
+    answers at once, even while a method computes there (on ``inproc``,
+    where nothing runs beside a method, when the calls that came before
+    the request have run). With ``timeout`` (seconds), stats waits that
+    long at most.
 
     Raises:
         macroflow.TimeoutError: some context did not answer within
@@ -193,8 +193,7 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
     eng = current_engine()
     eng.poll()  # a context lost since the transport last looked is not asked
     live = [c for c in range(eng.size) if c not in eng.lost]
-    futs = {c: eng.issue(SYSTEM, "stats", "stats", (), {}, c, site=_STATS_SITE, pinned=True)
-            for c in live}
+    futs = {c: eng.ask_stats(c) for c in live}
     if timeout is not None:
         _done, late = wait(list(futs.values()), timeout)
         if late:
@@ -204,8 +203,7 @@ def stats(timeout: Optional[float] = None) -> Dict[int, Dict[str, int]]:
             if silent:
                 raise errors.TimeoutError(
                     f"mf.stats(): context{'s' if len(silent) > 1 else ''} "
-                    f"{', '.join(map(str, silent))} did not answer within {timeout} s "
-                    f"(a context answers between two method runs)")
+                    f"{', '.join(map(str, silent))} did not answer within {timeout} s")
     # a context lost meanwhile is left out, as one lost before
     return {c: f.result() for c, f in futs.items()
             if not isinstance(f.exception(), errors.ContextLost)}
