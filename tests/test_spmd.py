@@ -190,6 +190,42 @@ def test_under_mpiexec_gets_read_through_an_mpi_window(tmp_path):
     assert p.stdout.strip().splitlines()[-1] == str([((3, 1, 1), True)] * 3)
 
 
+LARGE_ALLREDUCES = """
+    import numpy as np
+    import macroflow as mf
+
+    def main():
+        me, n = mf.rank(), mf.size()
+        wrong = 0
+        for _ in range(20):
+            s = mf.allreduce(np.full(500_000, float(me + 1)))  # 4 MB: MPI's own
+            wrong += int(not (s == n * (n + 1) / 2).all())
+        return wrong
+
+    if __name__ == "__main__":
+        print(mf.spmd(main, n=2))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_large_array_allreduces_are_right_while_the_service_signals(tmp_path):
+    # a signal of the service mechanism tested the collective again from
+    # inside its own test, between the check of the ranks' arrays and the
+    # reduction's start: it took the check for the reduction, and the rank's
+    # own input for the sum (4 runs of 5, 4 MB arrays, 20 each)
+    from conftest import MPI_MISSING
+    if MPI_MISSING:
+        pytest.skip(MPI_MISSING)
+    from macroflow.transport.mpi import _find_mpiexec
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(LARGE_ALLREDUCES))
+    for _ in range(2):
+        p = subprocess.run([_find_mpiexec(), "-n", "2", sys.executable, str(path)],
+                           capture_output=True, text=True, timeout=150)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip().splitlines()[-1] == "[0, 0]", p.stdout
+
+
 def collectives():
     me, n = mf.rank(), mf.size()
     out = {}

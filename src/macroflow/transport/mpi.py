@@ -3070,7 +3070,7 @@ class NativeCollective:
     makes progress and says whether it is done; ``result()`` then."""
 
     __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done", "sig",
-                 "fallback", "back")
+                 "fallback", "back", "testing")
 
     def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any, index: int):
         self.owner = owner
@@ -3086,6 +3086,7 @@ class NativeCollective:
         # rank): the run's tree reduces it instead, on every rank
         self.fallback = False
         self.back: Any = None  # what turns the reduced array into the value's type
+        self.testing = False  # in test(), which the service may call again from a signal
 
     def spec(self) -> tuple:
         """(kind, dtype, shape, op): enough for another rank to join it."""
@@ -3096,6 +3097,20 @@ class NativeCollective:
     def test(self) -> bool:
         if self.done:
             return True
+        if self.testing:
+            # called from a signal handler (the service mechanism) in the
+            # middle of this very test: between the signature's end and the
+            # reduction's start it would take the finished signature for the
+            # reduction, and the output (the rank's own input, as MPI had
+            # copied it so far) for the result
+            return False
+        self.testing = True
+        try:
+            return self._test()
+        finally:
+            self.testing = False
+
+    def _test(self) -> bool:
         owner = self.owner
         if self.req is None:
             if owner.comm is None:
