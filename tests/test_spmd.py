@@ -1978,3 +1978,42 @@ def test_collectives_in_a_run_after_contexts_were_added(run):
         return mf.spmd(_reduces_after_growing, timeout=30)
 
     assert run(main, contexts=2) == [(6, 0), (6, 1), (6, 2)]
+
+
+def _unpicklable_value(kind):
+    value = threading.Lock() if mf.rank() == 1 else 1
+    if kind == "allgather":
+        mf.allgather(value)
+    elif kind == "broadcast":
+        mf.broadcast(value, root=1)
+    else:
+        mf.allreduce(value, op=lambda a, b: a)
+
+
+def _caught_then_next(kind):
+    try:
+        _unpicklable_value(kind)
+        first = "no error"
+    except mf.CollectiveError as e:
+        first = str(e)
+    try:
+        mf.barrier(timeout=60)
+        second = "no error"
+    except mf.CollectiveError as e:
+        second = str(e)
+    return first, second
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["allgather", "broadcast", "allreduce"])
+def test_a_collective_whose_value_cannot_be_pickled_fails_on_every_context(transport, kind):
+    # it raised pickle's TypeError from inside the engine on the context
+    # that gave it, and the others waited for it for ever (caught there, the
+    # run hung at its next collective)
+    got = mf.spmd(_caught_then_next, kind, n=2, transport=transport)
+    for first, second in got:
+        assert first.startswith(f"mf.{kind}(): what context 1 gives cannot be sent (it "
+                                f"cannot be pickled): TypeError: cannot pickle"), got
+        assert "an earlier collective of the run (#1" in second, got
+    with pytest.raises(mf.CollectiveError, match=r"what context 1 gives cannot be sent"):
+        mf.spmd(_unpicklable_value, kind, n=2, transport=transport)

@@ -178,10 +178,13 @@ class Collective:
             self.message(src, msg)
             if self.future._state:
                 return
-        if self.kind in _UP:
-            self.try_up()
-        elif run.rank == self.root:  # broadcast
-            self.down(self.value)
+        try:
+            if self.kind in _UP:
+                self.try_up()
+            elif run.rank == self.root:  # broadcast
+                self.down(self.value)
+        except _Unsent:
+            pass  # it failed, on every context (see send)
 
     def start_native(self, natives: Any) -> None:
         """Let the transport do it (MPI's non-blocking collectives), polled by the engine."""
@@ -268,13 +271,16 @@ class Collective:
         if self.native:  # a context that left MPI's collective first: kept for the tree
             self.run.early.setdefault(self.seq, []).append((src, msg))
             return
-        if phase == "u":
-            self.ups[src] = payload
-            self.try_up()
-        elif phase == "d":
-            self.down(payload)
-        else:  # "r": a reduction's result, to its root
-            self.complete(payload)
+        try:
+            if phase == "u":
+                self.ups[src] = payload
+                self.try_up()
+            elif phase == "d":
+                self.down(payload)
+            else:  # "r": a reduction's result, to its root
+                self.complete(payload)
+        except _Unsent:
+            pass  # it failed, on every context (see send)
 
     def try_up(self) -> None:
         if self.sent_up:
@@ -329,6 +335,21 @@ class Collective:
                                    self.root))
         except ConnectionError:
             pass  # the peer's loss is reported to every collective by the model
+        except Exception as e:
+            if phase == "f":
+                raise  # (a text and ranks: nothing that fails to pickle)
+            # what this context gives (or passes on) cannot be pickled: the
+            # collective fails on every context, told at once, rather than
+            # the others waiting for it for ever while this one goes on
+            err = errors.CollectiveError(
+                f"{self.name}: what context {self.run.rank} gives cannot be sent (it cannot "
+                f"be pickled): {type(e).__name__}: {e}", missing=[self.run.rank])
+            err.__cause__ = e
+            for r in range(self.run.size):
+                if r != self.run.rank:
+                    self.send(r, "f", (str(err), err.missing))
+            _give_up(self, err, "failed")
+            raise _Unsent() from e
 
     def complete(self, value: Any) -> None:
         run = self.run
@@ -352,6 +373,10 @@ class Collective:
     def fail(self, exc: BaseException) -> None:
         self.run.colls.pop(self.seq, None)
         self.future._set(False, exc)
+
+
+class _Unsent(Exception):
+    """A collective's message could not be pickled: it failed (Collective.send)."""
 
 
 def _wake_sleepers(model: SpmdModel, run: Run, shm: Any, epoch: int, seq: int) -> None:
