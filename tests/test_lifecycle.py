@@ -453,7 +453,7 @@ def test_a_peer_lost_inside_a_send_fails_the_waiting_call_once(monkeypatch):
     err, five, load = mf.run(main, contexts=3)
     assert isinstance(err, mf.ContextLost) and err.context == 1
     assert "during a send" in str(err)
-    assert (five, load) == (5, 1)
+    assert (five, load) == (5, 0)  # (mf.stats is no call: it is not counted)
 # -- how many contexts the host can hold: refused before anything is forked ------
 @pytest.fixture
 def no_fork(monkeypatch):

@@ -1764,13 +1764,19 @@ def test_sys_exit_in_a_handler_method_or_constructor_fails_that_call_not_the_cal
                      lambda: ExitsAtBirth.create(on=1).x().result(timeout=30)):
             with pytest.raises(mf.MacroflowError) as e:
                 call()
-            got.append(str(e.value))
+            got.append((str(e.value), str(e.value.__cause__)))
         return got
 
     got = run(main, contexts=2)
-    assert "remote action _exits on context 1 called sys.exit(3)" in got[0]
-    assert "Exits.m on context 1 called sys.exit(4)" in got[1]
-    assert "ExitsAtBirth() on context 1 called sys.exit(5)" in got[2]
+    assert "remote action _exits on context 1 called sys.exit(3)" in got[0][0]
+    assert "Exits.m on context 1 called sys.exit(4)" in got[1][0]
+    assert "ExitsAtBirth() on context 1 called sys.exit(5)" in got[2][0]
+    for _, remote in got:
+        # the remote traceback starts at the user's frames, as for any
+        # exception (the sys.exit() under the call's error began with the
+        # runtime's)
+        assert "in _exits" in remote or "in m" in remote or "in __init__" in remote, remote
+        assert "macroflow/core" not in remote and "macroflow/objects" not in remote, remote
 
 
 _kept = {}

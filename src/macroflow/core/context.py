@@ -212,12 +212,24 @@ def _runtime_file(filename: str) -> bool:
 
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None and \
-            _runtime_file(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    tb = "".join(traceback.format_exception(type(exc), exc, tb))
-    return f'Traceback from context {ctx}:\n{tb}'
+    # (of the exceptions it was raised from too: the sys.exit() that a
+    # method's error stands for, say)
+    seen = set()
+    x: Optional[BaseException] = exc
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        tb = x.__traceback__
+        while tb is not None and tb.tb_next is not None and \
+                _runtime_file(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        if x is not exc and tb is not x.__traceback__:
+            x.__traceback__ = tb
+        if x is exc:
+            first = tb
+        x = x.__cause__ if x.__cause__ is not None else \
+            (None if x.__suppress_context__ else x.__context__)
+    text = "".join(traceback.format_exception(type(exc), exc, first))
+    return f'Traceback from context {ctx}:\n{text}'
 
 
 class Engine:
@@ -938,7 +950,10 @@ class Engine:
                     self._heard(src, load)
                 if type(bufs) is tuple:  # a call this context made to itself (see issue)
                     if self.relay_to is None:
-                        self._on_call(src, bufs)
+                        if bufs[0] == CALL:
+                            self._on_call(src, bufs)
+                        else:  # (another message to itself: ask_stats)
+                            self.dispatch(src, bufs)
                         continue
                     data, more = _encode(bufs)  # relayed: it leaves as any frame does
                     bufs = [data, *more]
@@ -1460,12 +1475,14 @@ class Engine:
         fid = (self.id, next(self.seq))
         f = Future(self, fid, dest, None, None)
         f._escaped = True  # its home keeps nothing: nothing to release
-        if dest == self.id:
-            f._set(True, self.snapshot())
-            return f
         f._asked = True
         self.asked[fid] = f
-        self.send(dest, (STATS, fid))
+        if dest == self.id:
+            # after what this context sent itself before (remote service
+            # requests, calls): they are counted then
+            self.inbox.append((self.id, (STATS, fid), self.load()))
+        else:
+            self.send(dest, (STATS, fid))
         return f
 
     def _on_release(self, items) -> None:
@@ -2631,7 +2648,13 @@ def _serve_big(eng: Engine, src: int, msg: tuple) -> None:
 
 
 def _serve_stats(eng: Engine, src: int, msg: tuple) -> None:
-    eng.send_value(src, (tuple(msg[1]), None), *eng._pickle_value(True, eng.snapshot()))
+    fid = tuple(msg[1])
+    if src == eng.id:  # asked by this context itself (see ask_stats)
+        f = eng.asked.pop(fid, None)
+        if f is not None:
+            f._set(True, eng.snapshot())
+        return
+    eng.send_value(src, (fid, None), *eng._pickle_value(True, eng.snapshot()))
 
 
 class _Unreadable:
