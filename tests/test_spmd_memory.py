@@ -496,3 +496,13 @@ def test_capabilities():
     assert (caps["process_vm_error"] is None) == caps["process_vm"]
     assert (caps["proc_fd_error"] is None) == caps["proc_fd"]
     assert capabilities() == caps  # measured once
+
+
+def test_shared_memory_larger_than_can_be_mapped_is_refused_clearly():
+    # an OverflowError of a C long from inside, or a bare OSError of mmap
+    with pytest.raises(ValueError, match=r"shared_empty: shape \(10+,\) of float64 is 8"
+                                         r"0+ bytes, more than any process can map"):
+        shared_empty(10 ** 30)
+    with pytest.raises(MemoryError, match=r"shared_empty: cannot map 8000000000000000 bytes "
+                                          r"\(shape \(1000000000000000,\) of float64\)"):
+        memory.shared_zeros(10 ** 15)

@@ -186,6 +186,9 @@ def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
     nbytes = count * dtype.itemsize
     if nbytes == 0:
         return np.empty(shape, dtype)
+    if nbytes >= 2 ** 63:
+        raise ValueError(f"shared_empty: shape {shape} of {dtype} is {nbytes} bytes, more than "
+                         f"any process can map")
     fd = os.memfd_create("macroflow-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
@@ -193,6 +196,12 @@ def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         ino = os.fstat(fd).st_ino
         address = _map(fd, nbytes)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
+            raise MemoryError(f"shared_empty: cannot map {nbytes} bytes (shape {shape} of "
+                              f"{dtype}): {os.strerror(e.errno)}") from e
+        raise
     except BaseException:
         os.close(fd)
         raise
