@@ -37,7 +37,7 @@ from ..core.threads import INTERRUPTS, getcurrent
 PERSISTENT, REGULAR, CREATE = "p", "r", "c"
 
 DESTROY = "__mf_destroy__"
-_GONE = ("destroyed", "missing")
+_GONE = ("destroyed", "missing", "broken")  # left once their last call has run
 
 
 class HostedObject:
@@ -116,7 +116,9 @@ class ObjectHost(Model):
         # highest call number received from each context): `unborn` holds the
         # ids still waiting, by creator.
         self.unborn: Dict[int, List[Any]] = {}
-        self.tombstones: Dict[Any, str] = {}  # recently removed objects: their labels
+        # recently removed objects: their labels (those whose constructor
+        # failed: ("broken", label, the error))
+        self.tombstones: Dict[Any, Any] = {}
         self.orphans: Dict[Any, str] = {}  # objects of removed contexts: their labels
         self.regular_pool: Dict[Any, List[Any]] = {}
         calls = ObjectCalls(self)
@@ -157,8 +159,9 @@ class ObjectHost(Model):
 
     def why_not(self, kind: str, ident: Any) -> Optional[str]:
         obj = self.objects.get(ident)
-        if obj is not None and obj.state == "broken":
-            err = obj.error
+        fate = self.tombstones.get(ident) if obj is None else None
+        if obj is not None and obj.state == "broken" or type(fate) is tuple:
+            err = obj.error if obj is not None else fate[2]
             return (f"its object's constructor failed"
                     f"{f' ({type(err).__name__}: {err})' if err is not None else ''}")
         return None
@@ -212,13 +215,17 @@ class ObjectHost(Model):
             self._wait_for_creator(oid[0], oid)  # its constructor is on its way
         elif fate == "missing":
             obj.state = "missing"
+        elif type(fate) is tuple:  # its constructor failed
+            _, obj.label, obj.error = fate
+            obj.state = "broken"
         else:
             obj.label, obj.state = fate, "destroyed"
         return obj
 
-    def _fate(self, oid) -> Optional[str]:
+    def _fate(self, oid) -> Any:
         # an id with no object here: None while its constructor may still
-        # come, else "missing" or the label of the object it was
+        # come, else "missing", the label of the object it was, or
+        # ("broken", label, error) if its constructor failed
         label = self.tombstones.get(oid) or self.orphans.get(oid)
         if label is not None:
             return label
@@ -245,12 +252,20 @@ class ObjectHost(Model):
             self._pump(obj)
 
     def _forget_object(self, obj: HostedObject) -> None:
-        # a destroyed object leaves once its last call has run
+        # a destroyed object leaves once its last call has run; so does one
+        # whose constructor failed, its error kept (without the frames its
+        # traceback holds, which may hold large values) for its later calls
         if self.objects.get(obj.oid) is obj:
             del self.objects[obj.oid]
             if len(self.tombstones) >= EARLY_MAX:
                 del self.tombstones[next(iter(self.tombstones))]
-            self.tombstones[obj.oid] = obj.label
+            if obj.state == "broken":
+                err = obj.error
+                if err is not None:
+                    err.__traceback__ = None
+                self.tombstones[obj.oid] = ("broken", obj.label, err)
+            else:
+                self.tombstones[obj.oid] = obj.label
 
     # ------------------------------------------------------------------ running calls
     def _pump(self, obj: HostedObject) -> None:
