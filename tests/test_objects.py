@@ -1549,3 +1549,41 @@ def test_stats_answers_while_a_context_computes_with_calls_queued(run, transport
     during, after = run(main, contexts=2)
     assert after == 42  # the constructor and 41 calls: stats is no call
     assert during < 20, during  # answered long before the queue ran out (42 before)
+
+
+@mf.persistent
+class _Source:
+    def make(self, n):
+        return np.arange(n, dtype=np.float64)
+
+
+@mf.persistent
+class _Mutator:
+    def first_then_spoil(self, a):
+        first = float(a[1])
+        a[:] = -1.0  # its own copy: the other calls must not see this
+        return first
+
+
+@pytest.mark.timeout(120)
+def test_calls_on_one_context_share_one_transfer_of_a_future_each_with_its_own_copy(run):
+    # each call pulled the value itself: 200 calls of one 8 MB future moved
+    # 1.5 GB and held it all while the calls waited (10,000 of them: killed
+    # for want of memory); the value comes once, each call gets its own copy
+    def main():
+        src, m = _Source.create(on=1), _Mutator.create(on=2)
+        sent0 = mf.stats()[1]["values_sent"]
+        v = src.make(200_000)  # 1.6 MB: released at once when dropped
+        got = mf.gather([m.first_then_spoil(v) for _ in range(50)])
+        sent = mf.stats()[1]["values_sent"] - sent0
+        held = mf.stats()[1]["values_held"]
+        del v
+        src.make(1).result()  # (the release goes at this wait's first step)
+        return got, sent, held, mf.stats()[1]["values_held"]
+
+    got, sent, held, then = run(main, contexts=3)
+    assert got == [1.0] * 50
+    # 50 before; once (a call that comes after the value has pulls it again)
+    assert sent <= 10, sent
+    # every arc was counted as served: dropped, the value leaves its home
+    assert then <= held, (held, then)

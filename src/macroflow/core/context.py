@@ -271,6 +271,9 @@ class Engine:
         self.slots: Dict[Any, Slot] = {}
         self.tokens: Dict[Any, Tuple[bool, Any]] = {}
         self.awaiting: Dict[Any, Call] = {}
+        # fid -> [home, label, labels...]: a value pulled here for the call of
+        # label, which the calls of the other labels wait for too (see _on_call)
+        self.pulls: Dict[Any, List[Any]] = {}
         self.asked: Dict[Any, Future] = {}  # futures waiting for a value from their home
         self.eager: Dict[Any, Any] = {}  # fid -> weakref of futures whose value comes unasked
         self.early: Dict[Any, Any] = {}  # values that came before anyone asked (rtf)
@@ -1104,8 +1107,20 @@ class Engine:
                 # pull the argument straight from its producer
                 if home == self.id:
                     self._on_forward(label[0], self.id, label)
-                else:
+                elif handler.moves:  # (it may move on, its arcs with it: no sharing)
                     self.send_forward(home, label[0], self.id, label)
+                else:
+                    pull = self.pulls.get(label[0])
+                    if pull is not None and pull[0] == home:
+                        # the value is on its way here for another call: it
+                        # comes once, for both (200 calls of one 8 MB future
+                        # fetched 200 copies, and held them while they
+                        # waited); the home counts this arc as served
+                        pull.append(label)
+                        self.send_forward(home, label[0], -1, label)
+                    else:
+                        self.pulls[label[0]] = [home, label]
+                        self.send_forward(home, label[0], self.id, label)
         handler.accept(call)
 
     def _unknown_kind(self, call: Call, src: int) -> None:
@@ -1131,6 +1146,8 @@ class Engine:
             # who does not hold it, and wait for ever
             tok = self.tokens.pop(arc[0], None)
             if tok is not None:
+                if type(tok[1]) is _Shared:
+                    tok = (True, tok[1].take())
                 self.send_value(dest, arc[0], *self._pickle_value(*tok))
         self.send(dest, frame)
         self._alias(call.fid, slot, call.fid, dest, None)
@@ -1413,6 +1430,12 @@ class Engine:
                 slot.served += 1
             alias = slot.alias
             if alias is None:
+                if dest < 0:
+                    # an arc the consumer shares with another one's value:
+                    # counted, nothing sent (see Engine._on_call)
+                    if slot.state == FINISHED:
+                        self._maybe_drop(fid, slot)
+                    return
                 if slot.state == FINISHED:
                     self._send_value(dest, label, slot)
                     self._maybe_drop(fid, slot)
@@ -1527,11 +1550,29 @@ class Engine:
                 self.early[fid] = (ok, value)
             return
         call = self.awaiting.pop(label, None)
+        if self.pulls:
+            pull = self.pulls.get(label[0])
+            if pull is not None and pull[1] == label:
+                del self.pulls[label[0]]
+                if len(pull) > 2:
+                    self._share(call, pull[1:], ok, value)
+                    return
         self.tokens[label] = (ok, value)
         if call is not None:
             call.missing -= 1  # self._token_arrived(call, label, ok, value), inline
             if not call.missing:
                 self.call_kinds[call.kind].arguments_ready(call)
+
+    def _share(self, call: Optional[Call], labels: List[Any], ok: bool, value: Any) -> None:
+        """One value pulled for the calls of ``labels`` (the first's is ``call``):
+        each takes a copy of its own, the last the value itself (see call_token)."""
+        tok = (True, _Shared(value, len(labels))) if ok else (False, value)
+        for i, label in enumerate(labels):
+            c = call if i == 0 else self.awaiting.pop(label, None)
+            if c is not None:
+                self._token_arrived(c, label, *tok)
+            elif ok:
+                tok[1].left -= 1  # (a call that is gone takes none)
 
     def _token_arrived(self, call: Call, label, ok, value) -> None:
         self.tokens[label] = (ok, value)
@@ -2075,6 +2116,9 @@ class Engine:
             if f._home == peer:
                 del self.asked[fid]
                 f._set(False, exc)
+        for fid, pull in list(self.pulls.items()):
+            if pull[0] == peer:
+                del self.pulls[fid]  # (its calls fail below: their arcs name peer)
         for label, call in list(self.awaiting.items()):
             if any(label == a[0] and a[1] == peer for a in (call.arcs or ())):
                 del self.awaiting[label]
@@ -2984,6 +3028,25 @@ def _subst(x, call: Call, eng):
     return _replace(x, Arc, value)
 
 
+class _Shared:
+    """A value pulled once for several calls of this context (Engine._share):
+    each call takes a copy of its own, the last one the value itself, so that
+    none sees what another's method did to its argument."""
+
+    __slots__ = ("value", "left")
+
+    def __init__(self, value: Any, users: int):
+        self.value = value
+        self.left = users
+
+    def take(self) -> Any:
+        self.left -= 1
+        if self.left <= 0:
+            v, self.value = self.value, None
+            return v
+        return _copy_value(self.value)
+
+
 def call_token(call: Call, afid, eng):
     """The value of one arc of ``call``: the token itself at its first use, a
     copy at every later one (the same future twice in a call, or a guard that
@@ -2996,6 +3059,8 @@ def call_token(call: Call, afid, eng):
         tok = eng.tokens.pop(label, None)
         if tok is None:
             raise RuntimeError(f"internal: token {label} missing")
+        if type(tok[1]) is _Shared:
+            tok = (True, tok[1].take())
         call.tokens[label] = tok
         return tok
     ok, v = tok
