@@ -637,3 +637,34 @@ def test_a_request_to_an_object_whose_constructor_failed_says_so(run, transport,
     if transport != "mpi":  # (spawned ranks write to the job's stderr)
         assert "was not run: its object's constructor failed (RuntimeError: no box today)" \
             in capfd.readouterr().err
+
+
+def _set_key(d, k, v):
+    d[k] = v
+
+
+@mf.persistent
+class _Asker:
+    def ask(self, g, thread):
+        mf.rsr(g, _set_key, "x", thread, thread=thread)
+        return 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("thread", ["inline", "new", "now"])
+def test_mf_poll_in_mains_compute_loop_runs_the_requests_that_came(run, thread):
+    # only thread="now" requests ran: inline and new ones waited until main
+    # waited, and one main sent its own context ran only then
+    def main():
+        d = {}
+        g = mf.export(d)
+        _Asker.create(on=1).ask(g, thread)
+        deadline = time.monotonic() + 30
+        while "x" not in d and time.monotonic() < deadline:
+            mf.poll()  # main computes: no wait serves it
+            time.sleep(0.001)
+        mf.rsr(g, _set_key, "self", thread, thread=thread)
+        mf.poll()
+        return d
+
+    assert run(main, contexts=2) == {"x": thread, "self": thread}

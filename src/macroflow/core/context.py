@@ -1829,8 +1829,14 @@ class Engine:
         and, from a call of a kind that yields on poll, let the engine run what
         has arrived for one round. Returns how many messages were served."""
         served = self.poll()
-        call = getattr(getcurrent(), "call", None)
+        g = getcurrent()
+        call = getattr(g, "call", None)
         if call is None:
+            if g is self.root and not self.dispatching and not self.in_guard:
+                # main computing: one round of what a wait would serve (remote
+                # service requests run inline or in new threads, calls to
+                # this context's objects), as main's compute loop expects
+                served += self._one_round()
             return served
         kind = self.call_kinds.get(call.kind)
         if (self.inbox or self.lost_queue or self.driver is not self) \
@@ -1843,6 +1849,19 @@ class Engine:
         if kind is not None:
             kind.polled(call)
         return served
+
+    def _one_round(self) -> int:
+        """From main (the engine's root, not dispatching): let every context
+        this thread drives run what has arrived, once; how many messages
+        this context took."""
+        before = len(self.inbox)
+        if self.driver is self:
+            if self.inbox or self.ready or self.lost_queue:
+                self.process()
+        elif self.driver.pending():
+            once = iter((False, True))  # (inproc: the others share this thread)
+            self.driver.run_until(lambda: next(once, True))
+        return max(0, before - len(self.inbox))
 
     def run_pollers(self) -> bool:
         """Call every poller once, dropping those that return True; True if any did."""

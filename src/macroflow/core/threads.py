@@ -809,9 +809,12 @@ def start_service(engine: Any, name: Optional[str] = None) -> Service:
 def poll() -> int:
     """Serve the requests that have arrived for this context and need no
     user code (value requests, releases, gets and puts, ``thread="now"``
-    remote service requests); calls and everything else stay queued for the
-    engine. Returns how many were served; when nothing is pending it is a
-    quick look. In an SPMD run's function (or a remote action) it is
+    remote service requests); in a method, calls and everything else stay
+    queued for the engine. Returns how many were served; when nothing is
+    pending it is a quick look. In main (context 0's program, which is
+    served only while it waits) it serves what a wait would: remote service
+    requests run inline or in new threads, and calls to this context's
+    objects, once each. In an SPMD run's function (or a remote action) it is
     Tulip's Poll: the remote actions and calls that have arrived run too,
     before it returns.
 
