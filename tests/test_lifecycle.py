@@ -212,6 +212,34 @@ def test_cli_run_gives_the_script_its_arguments_while_its_top_level_runs(tmp_pat
     assert out.stdout.strip() == "10"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source, code, says", [
+    ("def main(:\n    pass\n", 1, "SyntaxError: invalid syntax"),
+    ("import no_such_module_here\ndef main():\n    pass\n", 1,
+     "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    ("def main(x):\n    return x\n", 1, "macroflow run: mf.run(): main(x) cannot be called "
+                                           "with no arguments"),
+    ("main = 5\n", 1, "defines int 'main', not a function"),
+    ("import macroflow as mf\ndef main():\n    return 1\nmf.run(main, contexts=2)\n", 1,
+     "starts a computation at its top level (mf.run, mf.init or mf.spmd) while `macroflow "
+     "run` loads it"),
+    ("import asyncio\nasync def main():\n    await asyncio.sleep(0)\n    return 7\n", 0, ""),
+])
+def test_cli_run_says_what_is_wrong_with_a_script_in_its_own_words(tmp_path, source, code, says):
+    # a script that did not import, or whose main needed arguments, printed
+    # macroflow's own frames; one that started a computation at its top level
+    # ran twice; an async main was printed as a coroutine, never run
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", str(script)],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == code, out.stderr
+    assert says in out.stderr, out.stderr
+    assert "macroflow/cli.py" not in out.stderr and "macroflow/launch.py" not in out.stderr
+    if code == 0:
+        assert out.stdout.strip() == "7"
+
+
 @pytest.mark.parametrize("name, value", [("MACROFLOW_SPIN_US", "fast"),
                                          ("MACROFLOW_SERVICE", "bogus")])
 def test_cli_run_bad_environment_is_a_usage_error(tmp_path, name, value):

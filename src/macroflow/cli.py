@@ -121,10 +121,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the script's own arguments, already while its top level runs (an
     # argparse parser there, as `python script.py --n 5` would see them)
     sys.argv = [args.script, *args.args]
-    mod = _load_script(args.script)
+    from macroflow import launch
+    launch.loading_script = args.script
+    try:
+        mod = _load_script(args.script)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except launch.TopLevelStart as e:
+        raise SystemExit(f"macroflow run: {e}")
+    except BaseException as e:
+        # the script's own error (a SyntaxError, an import that fails), from
+        # its frames: this command's say nothing
+        import traceback
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        return 1
+    finally:
+        launch.loading_script = None
     main = getattr(mod, args.main, None)
     if not callable(main):
-        raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
+        what = "no function" if main is None else f"{type(main).__name__} {args.main!r}, not a function"
+        raise SystemExit(f"macroflow run: {args.script} defines {what}"
+                         f"{f' {args.main}()' if main is None else ''}")
+    try:
+        launch._check_main(main, (), {})
+    except TypeError as e:
+        raise SystemExit(f"macroflow run: {e}")
     try:
         if args.spmd:
             if args.placement:

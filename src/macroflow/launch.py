@@ -1042,6 +1042,14 @@ def choose_transport(transport: Optional[str], contexts: Optional[int],
     return transport, contexts
 
 
+#: the script `macroflow run` is loading (its top level runs), else None
+loading_script: Optional[str] = None
+
+
+class TopLevelStart(RuntimeError):
+    """A script that `macroflow run` loads starts a computation at its top level."""
+
+
 def init(contexts: Optional[int] = None, transport: Optional[str] = None, placement: Any = None,
          spin_us: Optional[float] = None, *, listen: Any = None, secret: Optional[str] = None,
          tls: Optional[Tuple[str, str]] = None) -> Session:
@@ -1102,6 +1110,13 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
                                "it, or start the other computation after mf.run returns")
         raise RuntimeError("a macroflow computation is already running in this process; "
                            "shut it down first (mf.shutdown())")
+    if loading_script is not None:
+        # its top level would start a computation, and then macroflow run its
+        # main in another: the program would run twice
+        raise TopLevelStart(
+            f"{loading_script} starts a computation at its top level (mf.run, mf.init or "
+            f"mf.spmd) while `macroflow run` loads it; macroflow run calls its main itself: "
+            f"put that call under `if __name__ == \"__main__\":`")
     if contexts is not None:
         contexts = _ctx.positive_count(contexts, "contexts")
     transport, contexts = choose_transport(transport, contexts)
@@ -1201,7 +1216,9 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         **kwargs: Any) -> Any:
     """Run ``main(*args, **kwargs)`` on context 0 of a new computation and return its value.
 
-    If main returns a Future, its value is returned. Everything is torn down
+    If main returns a Future, its value is returned; an ``async def`` main
+    runs in an event loop of its own (it may await macroflow futures and
+    asyncio alike). Everything is torn down
     afterwards, whether main returns or raises. Arguments as for :func:`init`:
     under ``mpiexec -n N python script.py``, the same script that runs
     ``mf.run(main, contexts=N)`` alone runs main on rank 0, and the other
@@ -1218,8 +1235,12 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         ...     return m.add(m.square(4), m.square(5)).result()
         >>> mf.run(main, contexts=2, transport="inproc")
         41
+        >>> async def amain():
+        ...     return await Math().square(6)
+        >>> mf.run(amain, contexts=2, transport="inproc")
+        36
     """
-    from .core.future import Future
+    from .core.future import CoroutineType, Future
     _check_main(main, args, kwargs)
     session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us,
                    listen=listen, secret=secret, tls=tls)
@@ -1227,6 +1248,8 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
     try:
         with session:
             result = main(*args, **kwargs)
+            if type(result) is CoroutineType:
+                result = _run_async_main(result)
             if isinstance(result, Future):  # main handed its place on: wait here
                 result = result.result()
             return result
@@ -1236,6 +1259,27 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         print(f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped",
               file=sys.stderr)
         raise
+
+
+def _run_async_main(coro: Any) -> Any:
+    """An ``async def`` main, run to its end in an event loop of its own:
+    it may await macroflow futures and asyncio alike.
+
+    Example:
+        >>> async def main():
+        ...     return 7
+        >>> _run_async_main(main())
+        7
+    """
+    import asyncio
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("mf.run() of an async def main was called inside a running event loop, "
+                       "which it cannot block: there, start the computation with "
+                       "`with mf.init(...):` and `await main()` yourself")
 
 
 _RUN_OPTIONS = ("contexts", "transport", "placement", "spin_us", "listen", "secret", "tls")
