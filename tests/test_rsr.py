@@ -251,6 +251,39 @@ def test_a_handler_that_raises_is_reported_with_where_and_which(run, capfd, tran
             f"{__name__}._missing_key raised:")
     assert err.count(head) == 2, err
     assert err.count("KeyError: 'x'") == 1 and err.count("KeyError: 'y'") == 1
+    # from the handler's frames on: the runtime's that called it say nothing
+    assert "macroflow/core" not in err, err
+
+
+class _CallableBox:
+    def __call__(self, box, key):
+        return box[key]
+
+
+@pytest.mark.timeout(60)
+def test_handlers_of_every_kind_are_named_plainly_and_drops_do_not_flood(run, capfd):
+    # a partial was "functools.functools.partial(<function ...>)", an instance
+    # "__main__.<... object at 0x...>"; 3,000 requests to a pointer gone
+    # printed 3,000 lines
+    import functools
+
+    def main():
+        g = mf.export({})
+        mf.rsr(g, functools.partial(_missing_key), "p")
+        mf.rsr(g, _CallableBox(), "c")
+        mf.poll()  # (they run, and raise)
+        mf.unexport(g)
+        for _ in range(300):
+            mf.rsr(g, _missing_key, "gone")
+        return mf.stats()[0]["rsr_dropped"]
+
+    assert run(main, contexts=2) == 300
+    err = capfd.readouterr().err
+    assert (f"remote service request handler functools.partial({__name__}._missing_key, "
+            f"...) raised:") in err, err
+    assert "remote service request handler a _CallableBox instance raised:" in err, err
+    assert err.count("was not run: nothing is there") == 10, err
+    assert "further requests dropped here are counted in mf.stats()'s rsr_dropped" in err
 
 
 def _echo_back(target, data, home, thread):

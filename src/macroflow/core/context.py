@@ -210,6 +210,31 @@ def _runtime_file(filename: str) -> bool:
     return filename.startswith(_CORE_DIR) or filename in RUNTIME_FILES
 
 
+#: dropped remote service requests a context reports on stderr; the rest are counted
+DROPS_SAID = 10
+
+
+def handler_label(fn: Any) -> str:
+    """How a remote service request's handler is named in reports.
+
+    Example:
+        >>> import functools
+        >>> handler_label(len), handler_label(functools.partial(len, "abc"))
+        ('builtins.len', 'functools.partial(builtins.len, ...)')
+        >>> class Box:
+        ...     def __call__(self): pass
+        >>> handler_label(Box())
+        'a Box instance'
+    """
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({handler_label(fn.func)}, ...)"
+    name = getattr(fn, "__qualname__", None)
+    if isinstance(name, str):
+        module = getattr(fn, "__module__", None)
+        return f"{module}.{name}" if module else name
+    return f"a {type(fn).__qualname__} instance"
+
+
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code: the runtime frames that called it say nothing
     # (of the exceptions it was raised from too: the sys.exit() that a
@@ -1764,21 +1789,30 @@ class Engine:
 
     def _rsr_raised(self, handler) -> None:
         # nobody waits for a request: its exception is reported here, saying
-        # where and which handler (a handler sent by value has no file name)
-        name = getattr(handler, "__qualname__", repr(handler))
-        module = getattr(handler, "__module__", None)
+        # where and which handler (a handler sent by value has no file name),
+        # from the handler's frames on
         print(f"macroflow: context {self.id}: remote service request handler "
-              f"{module + '.' if module else ''}{name} raised:", file=sys.stderr)
-        traceback.print_exc()
+              f"{handler_label(handler)} raised:", file=sys.stderr)
+        e = sys.exc_info()[1]
+        tb = e.__traceback__ if e is not None else None
+        while tb is not None and tb.tb_next is not None and \
+                _runtime_file(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb, file=sys.stderr)
 
     def _rsr_dropped(self, gid, handler,
                      why: str = "nothing is there (unexported, or its object destroyed)") -> None:
         self.stats.rsr_dropped += 1
-        name = getattr(handler, "__qualname__", repr(handler))
+        n = self.stats.rsr_dropped
+        if n > DROPS_SAID:
+            return  # (counted: a loop of requests to a pointer gone would flood stderr)
         ident = gid[1]
         shown = f"{ident[0]}.{ident[1]}" if type(ident) is tuple and len(ident) == 2 else repr(ident)
-        print(f"macroflow: context {self.id}: remote service request {name} for "
-              f"{gid[0]} {shown} was not run: {why}", file=sys.stderr)
+        more = (" (further requests dropped here are counted in mf.stats()'s rsr_dropped, "
+                "not said)" if n == DROPS_SAID else "")
+        print(f"macroflow: context {self.id}: remote service request "
+              f"{handler_label(handler)} for {gid[0]} {shown} was not run: {why}{more}",
+              file=sys.stderr)
 
     def _on_rsr_now(self, src: int, msg: tuple) -> None:
         # run as it arrives, by the engine or by the service mechanism while a

@@ -404,11 +404,11 @@ def run_coroutine(coro: Any) -> Any:
         if "no running event loop" not in str(e):
             raise
         raise RuntimeError(  # asyncio.sleep and friends look for a loop before they yield
-            "a coroutine method can await only macroflow futures (and coroutines that await "
+            "an async def method or handler can await only macroflow futures (and coroutines that await "
             "them): it called asyncio code that needs an event loop, and a context runs none; "
             "call asyncio code from the caller's side instead") from e
     err = RuntimeError(
-        f"a coroutine method can await only macroflow futures (and coroutines that await "
+        f"an async def method or handler can await only macroflow futures (and coroutines that await "
         f"them): it awaited something that needs an event loop (it yielded {yielded!r}), "
         f"and a context runs none; call asyncio code from the caller's side instead")
     try:
