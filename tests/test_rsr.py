@@ -701,3 +701,30 @@ def test_mf_poll_in_mains_compute_loop_runs_the_requests_that_came(run, thread):
         return d
 
     assert run(main, contexts=2) == {"x": thread, "self": thread}
+
+
+def _note_in(box, path, tag):
+    with open(path, "a") as f:
+        f.write(f"{tag}\n")
+
+
+@mf.persistent
+class _Exporter:
+    def pointer(self):
+        return mf.export(self)
+
+
+@pytest.mark.timeout(60)
+def test_requests_sent_just_before_main_returns_run_before_the_contexts_stop(run, tmp_path):
+    # one sent to context 0 itself never ran (nothing waited after it), and
+    # on inproc one sent to context 1 neither: both were dropped unsaid
+    path = str(tmp_path / "ran")
+
+    def main():
+        g1 = _Exporter.create(on=1).pointer().result()
+        mf.rsr(mf.export({}), _note_in, path, "self")
+        mf.rsr(g1, _note_in, path, "one", thread="new")
+
+    run(main, contexts=2)
+    with open(path) as f:
+        assert sorted(f.read().split()) == ["one", "self"]

@@ -243,8 +243,26 @@ class Session:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self._drain(2.0)
         # after Ctrl-C, waiting long for contexts that compute helps nobody
         self.close(grace=0.2 if exc_type is KeyboardInterrupt else 2.0)
+
+    def _drain(self, grace: float) -> None:
+        """The program ended in order: what context 0 sent itself (remote
+        service requests main did not wait for) runs before the contexts
+        stop, and on ``inproc`` what the others were sent too, as a context
+        of its own process serves what came before it is told to stop (for
+        ``grace`` seconds at most)."""
+        eng = self.engine
+        if eng is None or eng.closed or eng.stopping:
+            return
+        deadline = time.monotonic() + grace
+        driver = eng.driver
+        if driver is eng:
+            eng.run_until(lambda: not (eng.inbox or eng.ready), deadline)
+        else:
+            driver.run_until(lambda: not driver.pending(), deadline)
 
 
 class Launcher:
