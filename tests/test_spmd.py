@@ -173,17 +173,22 @@ WINDOW_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.timeout(180)
-def test_under_mpiexec_gets_read_through_an_mpi_window(tmp_path):
+def _under_mpiexec(tmp_path, source, n, **env):
+    """``source`` run as a script by ``mpiexec -n n`` (skipped without MPI)."""
     from conftest import MPI_MISSING
     if MPI_MISSING:
         pytest.skip(MPI_MISSING)
     from macroflow.transport.mpi import _find_mpiexec
     path = tmp_path / "job.py"
-    path.write_text(WINDOW_SCRIPT)
-    env = dict(os.environ, MACROFLOW_ONESIDED="window")
-    p = subprocess.run([_find_mpiexec(), "-n", "3", sys.executable, str(path)],
-                       capture_output=True, text=True, timeout=150, env=env)
+    path.write_text(source)
+    return subprocess.run([_find_mpiexec(), "-n", str(n), sys.executable, str(path)],
+                          capture_output=True, text=True, timeout=150,
+                          env=dict(os.environ, **env))
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_gets_read_through_an_mpi_window(tmp_path):
+    p = _under_mpiexec(tmp_path, WINDOW_SCRIPT, 3, MACROFLOW_ONESIDED="window")
     assert p.returncode == 0, p.stderr
     # three gets each through the window; the owner answers the get of read-only
     # memory (MPI attaches writable memory only) and applies the put
@@ -213,15 +218,8 @@ def test_under_mpiexec_large_array_allreduces_are_right_while_the_service_signal
     # inside its own test, between the check of the ranks' arrays and the
     # reduction's start: it took the check for the reduction, and the rank's
     # own input for the sum (4 runs of 5, 4 MB arrays, 20 each)
-    from conftest import MPI_MISSING
-    if MPI_MISSING:
-        pytest.skip(MPI_MISSING)
-    from macroflow.transport.mpi import _find_mpiexec
-    path = tmp_path / "job.py"
-    path.write_text(textwrap.dedent(LARGE_ALLREDUCES))
     for _ in range(2):
-        p = subprocess.run([_find_mpiexec(), "-n", "2", sys.executable, str(path)],
-                           capture_output=True, text=True, timeout=150)
+        p = _under_mpiexec(tmp_path, textwrap.dedent(LARGE_ALLREDUCES), 2)
         assert p.returncode == 0, p.stderr
         assert p.stdout.strip().splitlines()[-1] == "[0, 0]", p.stdout
 

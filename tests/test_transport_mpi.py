@@ -760,6 +760,36 @@ def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_
     assert "KeyboardInterrupt" in err
 
 
+def _interrupt_macroflow_run(tmp_path, body, options, whom):
+    """Run ``body`` under `macroflow run -n 2 --transport mpi` (it writes the
+    file named by its first argument when it is ready), Ctrl-C it (``whom``:
+    "macroflow run alone", "its process group" or "it twice"); returns
+    (exit code, stdout, stderr, seconds from the Ctrl-C to the end)."""
+    script, flag = tmp_path / "job.py", tmp_path / "flag"
+    script.write_text(textwrap.dedent(body))
+    cmd = [sys.executable, "-m", "macroflow", "run", "-n", "2", *options, "--transport", "mpi",
+           str(script), str(flag)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t = time.monotonic()
+        if whom == "its process group":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            os.kill(p.pid, signal.SIGINT)
+            if whom == "it twice":
+                os.kill(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return p.returncode, out, err, time.monotonic() - t
+
+
 WAITS_AN_HOUR = """
     import sys, time
     import macroflow as mf
@@ -779,28 +809,9 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
     # (the whole group) mpiexec has it too. Either way the job ends at once
     # with 130, and no rank calls MPI after it ended (a service thread of a
     # rank that leaves is stopped before MPI_Finalize)
-    script, flag = tmp_path / "job.py", tmp_path / "flag"
-    script.write_text(textwrap.dedent(WAITS_AN_HOUR))
-    cmd = [sys.executable, "-m", "macroflow", "run", "-n", "2", "--spmd", "--transport", "mpi",
-           str(script), str(flag)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        t = time.monotonic()
-        if whom == "macroflow run alone":
-            os.kill(p.pid, signal.SIGINT)
-        else:
-            os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    assert p.returncode == 130, (p.returncode, out, err)
-    assert time.monotonic() - t < 30  # not when the handler's hour is over
+    code, out, err, took = _interrupt_macroflow_run(tmp_path, WAITS_AN_HOUR, ["--spmd"], whom)
+    assert code == 130, (code, out, err)
+    assert took < 30  # not when the handler's hour is over
     assert "after finalizing" not in out + err and "assert" not in err, err
 
 
@@ -878,28 +889,8 @@ def test_what_main_prints_after_ctrl_c_under_macroflow_run_mpi_is_passed_on(tmp_
     # the job's output was read in the main thread, which stopped reading at
     # the Ctrl-C: what main's finally printed was lost; a second Ctrl-C while
     # the job ended ended macroflow run with a traceback
-    script, flag = tmp_path / "job.py", tmp_path / "flag"
-    script.write_text(textwrap.dedent(PRINTS_IN_FINALLY))
-    cmd = [sys.executable, "-m", "macroflow", "run", "-n", "2", "--transport", "mpi",
-           str(script), str(flag)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if whom == "its process group":
-            os.killpg(p.pid, signal.SIGINT)
-        else:
-            os.kill(p.pid, signal.SIGINT)
-            if whom == "it twice":
-                os.kill(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    assert p.returncode == 130, (p.returncode, out, err)
+    code, out, err, _ = _interrupt_macroflow_run(tmp_path, PRINTS_IN_FINALLY, [], whom)
+    assert code == 130, (code, out, err)
     assert "main started" in out and "main's finally ran" in out, (out, err)
     assert "Traceback" not in err, err
 
