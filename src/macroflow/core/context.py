@@ -1287,6 +1287,8 @@ class Engine:
         self.send_value(dest, label, *self._pickle_value(False, exc))
 
     def send_value(self, dest: int, label, ok: bool, data: Any, bufs: List[Any]) -> None:
+        if dest < 0:
+            return  # a request that only counts: nobody waits for its answer
         a, c = label
         if c is None:
             head = _VGET.pack(_V, ok, a[0], a[1])
@@ -1412,6 +1414,8 @@ class Engine:
             self._maybe_drop(fid, slot)
 
     def _send_value(self, dest: int, label, slot: Slot) -> None:
+        if dest < 0:
+            return  # a request that only counts (see Engine._on_call's sharing)
         self.stats.values_sent += 1
         self.send_value(dest, label, slot.ok, slot.data, slot.bufs)
 
@@ -1432,7 +1436,8 @@ class Engine:
             self.send_error(dest, label, errors.ContextLost(home, self.lost[home]))
         else:
             # remembered: if home is lost before it answers, the requester is told
-            slot.subs.append((dest, label))
+            if dest >= 0:
+                slot.subs.append((dest, label))
             self.send_forward(home, to_fid, dest, label, trail)
 
     def _on_forward(self, fid, dest, label, trail: Any = None) -> None:
