@@ -128,6 +128,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (SystemExit, KeyboardInterrupt):
         raise
     except launch.TopLevelStart as e:
+        world = world_from_environment()
+        if world is not None and world[0] != 0:
+            raise SystemExit(1)  # (under mpiexec: said once, by rank 0)
         raise SystemExit(f"macroflow run: {e}")
     except BaseException as e:
         # the script's own error (a SyntaxError, an import that fails), from
