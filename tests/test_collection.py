@@ -323,7 +323,7 @@ def test_bad_arguments_are_refused_with_what_is_allowed():
     expect = {
         "shape0": ("ValueError", "shape must be an int >= 1"),
         "shape_neg": ("ValueError", "got (2, -1)"),
-        "shape_float": ("ValueError", "got 2.5"),
+        "shape_float": ("TypeError", "got 2.5"),
         "shape_empty": ("ValueError", "non-empty tuple"),
         "distribution": ("ValueError", "'block', 'cyclic'; got 'diagonal'"),
         "contexts_many": ("ValueError", "give 1..3"),

@@ -178,6 +178,8 @@ def test_cli_run_missing_script():
     (["-n", "two"], "argument -n: must be an int >= 1; got 'two'"),
     (["--transport", "nope"], "argument --transport: invalid choice: 'nope'"),
     (["--placement", "closest"], "argument --placement: invalid choice: 'closest'"),
+    (["--main", ""], "argument --main: must be the name of a function (a Python identifier); "
+                     "got ''"),
 ])
 def test_cli_run_bad_arguments_are_usage_errors(tmp_path, argv, complaint):
     script = _script(tmp_path, MAIN_CLASSES)

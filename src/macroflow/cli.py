@@ -549,6 +549,23 @@ def positive_int(text: str) -> int:
     return n
 
 
+def function_name(text: str) -> str:
+    """argparse type of the name of a script's function: a Python identifier.
+
+    Example:
+        >>> function_name("main")
+        'main'
+        >>> function_name("")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be the name of a function (a Python identifier); got ''
+    """
+    if not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"must be the name of a function (a Python "
+                                         f"identifier); got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from macroflow.core.placement import POLICIES
     from macroflow.transport.base import REGISTRY
@@ -565,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "launches; the default under mpiexec)")
     r.add_argument("--placement", default=None, choices=POLICIES,
                    help="round-robin (default), random or best-most-recently")
-    r.add_argument("--main", default="main", help="the function to run (default: main)")
+    r.add_argument("--main", default="main", type=function_name,
+                   help="the function to run (default: main)")
     r.add_argument("--spmd", action="store_true",
                    help="run main in every context (mf.spmd) and print the list of results "
                         "by rank, instead of main on context 0")

@@ -680,9 +680,12 @@ def _last(shape: Tuple[int, ...]) -> str:
 
 def _check_shape(shape: Any) -> Tuple[int, ...]:
     dims = (shape,) if not isinstance(shape, (tuple, list)) else tuple(shape)
-    if not dims or any(isinstance(d, bool) or not _is_int(d) or d < 1 for d in dims):
-        raise ValueError(f"mf.Collection(): shape must be an int >= 1 or a non-empty tuple of "
-                         f"ints >= 1 (one per dimension); got {shape!r}")
+    wrong = any(isinstance(d, bool) or not _is_int(d) for d in dims)
+    if not dims or wrong or any(d < 1 for d in dims):
+        # (a dimension that is no int is a TypeError, as elsewhere in macroflow)
+        raise (TypeError if wrong else ValueError)(
+            f"mf.Collection(): shape must be an int >= 1 or a non-empty tuple of "
+            f"ints >= 1 (one per dimension); got {shape!r}")
     return tuple(int(d) for d in dims)
 
 
