@@ -144,10 +144,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         launch.loading_script = None
     main = getattr(mod, args.main, None)
+    if main is None:
+        raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
     if not callable(main):
-        what = "no function" if main is None else f"{type(main).__name__} {args.main!r}, not a function"
-        raise SystemExit(f"macroflow run: {args.script} defines {what}"
-                         f"{f' {args.main}()' if main is None else ''}")
+        raise SystemExit(f"macroflow run: {args.script} defines {type(main).__name__} "
+                         f"{args.main!r}, not a function")
     try:
         launch._check_main(main, (), {})
     except TypeError as e:

@@ -210,6 +210,20 @@ def _runtime_file(filename: str) -> bool:
     return filename.startswith(_CORE_DIR) or filename in RUNTIME_FILES
 
 
+def _pickled_size(data: Any, bufs: List[Any]) -> int:
+    """Bytes of a value pickled here: the pickle and its out-of-band buffers.
+
+    Example:
+        >>> data, bufs = marshal.dumps(bytes(100_000))
+        >>> _pickled_size(data, bufs) > 100_000
+        True
+    """
+    size = len(data)
+    for b in bufs:
+        size += b.raw().nbytes
+    return size
+
+
 #: dropped remote service requests a context reports on stderr; the rest are counted
 DROPS_SAID = 10
 
@@ -235,25 +249,28 @@ def handler_label(fn: Any) -> str:
     return f"a {type(fn).__qualname__} instance"
 
 
+def _from_user_frames(tb: Any) -> Any:
+    """``tb`` from the first frame that is not the runtime's (its last frame
+    at least): the runtime frames that called the user's code say nothing."""
+    while tb is not None and tb.tb_next is not None and \
+            _runtime_file(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
 def format_remote(exc: BaseException, ctx: int) -> str:
-    # start at the user's code: the runtime frames that called it say nothing
-    # (of the exceptions it was raised from too: the sys.exit() that a
-    # method's error stands for, say)
-    seen = set()
-    x: Optional[BaseException] = exc
+    # start at the user's code, in the exceptions it was raised from too
+    # (the sys.exit() that a method's error stands for, say)
+    seen = {id(exc)}
+    x = exc.__cause__ if exc.__cause__ is not None else \
+        (None if exc.__suppress_context__ else exc.__context__)
     while x is not None and id(x) not in seen:
         seen.add(id(x))
-        tb = x.__traceback__
-        while tb is not None and tb.tb_next is not None and \
-                _runtime_file(tb.tb_frame.f_code.co_filename):
-            tb = tb.tb_next
-        if x is not exc and tb is not x.__traceback__:
-            x.__traceback__ = tb
-        if x is exc:
-            first = tb
+        x.__traceback__ = _from_user_frames(x.__traceback__)
         x = x.__cause__ if x.__cause__ is not None else \
             (None if x.__suppress_context__ else x.__context__)
-    text = "".join(traceback.format_exception(type(exc), exc, first))
+    text = "".join(traceback.format_exception(type(exc), exc,
+                                              _from_user_frames(exc.__traceback__)))
     return f'Traceback from context {ctx}:\n{text}'
 
 
@@ -1171,9 +1188,7 @@ class Engine:
             # who does not hold it, and wait for ever
             tok = self.tokens.pop(arc[0], None)
             if tok is not None:
-                if type(tok[1]) is _Shared:
-                    tok = (True, tok[1].take())
-                self.send_value(dest, arc[0], *self._pickle_value(*tok))
+                self.send_value(dest, arc[0], *self._pickle_value(*_claimed(tok)))
         self.send(dest, frame)
         self._alias(call.fid, slot, call.fid, dest, None)
         if call.route & EAGER:
@@ -1383,8 +1398,7 @@ class Engine:
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
             self._send_eager(call, ok, data, bufs)
-        elif not slot.released and (len(data) >= BIG_VALUE or bufs and
-                                    len(data) + sum(b.raw().nbytes for b in bufs) >= BIG_VALUE):
+        elif not slot.released and _pickled_size(data, bufs) >= BIG_VALUE:
             # a large value its issuer will not fetch (an argument of other
             # calls, say): its future's release is to come at once, or the
             # value would stay here until 63 more futures were dropped there
@@ -1394,10 +1408,7 @@ class Engine:
             self.transport.flush()
 
     def _send_eager(self, call: Call, ok: bool, data, bufs) -> None:
-        size = len(data)
-        for b in bufs:
-            size += b.raw().nbytes
-        if size <= EAGER_MAX:
+        if _pickled_size(data, bufs) <= EAGER_MAX:
             self.stats.values_sent += 1
             self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
         else:
@@ -1799,11 +1810,8 @@ class Engine:
         print(f"macroflow: context {self.id}: remote service request handler "
               f"{handler_label(handler)} raised:", file=sys.stderr)
         e = sys.exc_info()[1]
-        tb = e.__traceback__ if e is not None else None
-        while tb is not None and tb.tb_next is not None and \
-                _runtime_file(tb.tb_frame.f_code.co_filename):
-            tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb, file=sys.stderr)
+        traceback.print_exception(type(e), e, _from_user_frames(e.__traceback__),
+                                  file=sys.stderr)
 
     def _rsr_dropped(self, gid, handler,
                      why: str = "nothing is there (unexported, or its object destroyed)") -> None:
@@ -3105,6 +3113,11 @@ class _Shared:
         return _copy_value(self.value)
 
 
+def _claimed(tok: Tuple[bool, Any]) -> Tuple[bool, Any]:
+    """A token as one call takes it: a shared value's copy of its own."""
+    return (True, tok[1].take()) if type(tok[1]) is _Shared else tok
+
+
 def call_token(call: Call, afid, eng):
     """The value of one arc of ``call``: the token itself at its first use, a
     copy at every later one (the same future twice in a call, or a guard that
@@ -3117,9 +3130,7 @@ def call_token(call: Call, afid, eng):
         tok = eng.tokens.pop(label, None)
         if tok is None:
             raise RuntimeError(f"internal: token {label} missing")
-        if type(tok[1]) is _Shared:
-            tok = (True, tok[1].take())
-        call.tokens[label] = tok
+        tok = call.tokens[label] = _claimed(tok)
         return tok
     ok, v = tok
     if not ok:
