@@ -7,7 +7,7 @@ calls whose arguments are the futures of the level below, so every partial
 count travels straight from the worker that made it to the one that adds it
 up, and the main program receives one small value at the end.
 
-    python examples/fanout.py                    # 4 contexts, 8 tasks per worker
+    python examples/fanout.py                    # a context per core, 8 tasks each
     python examples/fanout.py --contexts 2 --tasks-per-worker 4
     macroflow run -n 4 examples/fanout.py --samples 2000000
     python examples/fanout.py --listen 0.0.0.0:7000 --wait-for 8   # then, on other hosts:
@@ -68,7 +68,8 @@ def reduce_tree(worker: Worker, leaves: list, arity: int) -> mf.Future:
 
 def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, default=4, help="number of contexts (default 4)")
+    p.add_argument("--contexts", type=int, default=None,
+                   help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--tasks-per-worker", type=int, default=8, help="m: tasks per worker (default 8)")
     p.add_argument("--samples", type=int, default=6_000_000, help="darts per task (default 6M, ~0.1 s)")
     p.add_argument("--arity", type=int, default=4, help="fan-in of the reduction tree (default 4)")

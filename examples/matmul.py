@@ -13,7 +13,7 @@ different contexts. ``A.multiply(B)`` only issues calls and returns at once:
                              made where A's were, from futures
     Matrix.create(blocks, n) the handle of C, returned to the caller
 
-    python examples/matmul.py                    # 4 contexts, n=3000, a block per core
+    python examples/matmul.py                    # a context per core, n=3000, a block each
     python examples/matmul.py --size 400 --blocks 2
 
 The serial time is numpy's ``a @ b`` in this process. Every context (and the
@@ -104,7 +104,8 @@ def distribute(a: np.ndarray, k: int) -> Matrix:
 
 def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, default=4, help="number of contexts (default 4)")
+    p.add_argument("--contexts", type=int, default=None,
+                   help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--size", type=int, default=3000, help="n: the matrices are n x n (default 3000)")
     p.add_argument("--blocks", type=int, default=None,
                    help="k: row blocks per matrix (default: one per core, at most one per context)")

@@ -11,7 +11,7 @@ Each issues one call per context that holds blocks and returns one future of
 the list of the blocks' results, in block order. The check is numpy's
 ``A @ x`` on the same matrix, assembled in this process.
 
-    python examples/matvec.py                       # 2000x2000, 4 contexts, a block each
+    python examples/matvec.py                       # 2000x2000, a context per core, a block each
     python examples/matvec.py --size 500 --blocks 8 --contexts 2
 """
 
@@ -58,11 +58,12 @@ def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=2000, help="A is size x size (default 2000)")
     p.add_argument("--blocks", type=int, default=None, help="row blocks (default: one per context)")
-    p.add_argument("--contexts", type=int, default=4, help="number of contexts (default 4)")
+    p.add_argument("--contexts", type=int, default=None,
+                   help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--steps", type=int, default=5, help="power steps A^k x (default 5)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
-    if args.size < 1 or args.contexts < 1 or args.steps < 0 or (args.blocks or 1) < 1:
+    if args.size < 1 or (args.contexts is not None and args.contexts < 1) or args.steps < 0 or (args.blocks or 1) < 1:
         p.error("--size, --contexts and --blocks must be at least 1, --steps at least 0")
     if (args.blocks or 1) > args.size:
         p.error(f"--blocks: at most one block per row ({args.size})")

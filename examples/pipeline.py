@@ -13,7 +13,7 @@ the signals travel from stage to stage without passing through the caller.
                                    noise it measures: 1 to ~250 passes
     stage 3  Features.extract(y)   dominant frequency, peaks, energy
 
-    python examples/pipeline.py                 # 4 contexts, 24 items
+    python examples/pipeline.py                 # a context per core, 24 items
     python examples/pipeline.py --items 8 --max-size 200000
     python examples/pipeline.py --placement random
 
@@ -105,7 +105,8 @@ def run_dataflow(items, a):
 
 def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, default=4, help="number of contexts (default 4)")
+    p.add_argument("--contexts", type=int, default=None,
+                   help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--items", type=int, default=24, help="signals through the pipeline (default 24)")
     p.add_argument("--min-size", type=int, default=50_000)
     p.add_argument("--max-size", type=int, default=1_500_000)

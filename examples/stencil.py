@@ -16,7 +16,7 @@ A neighbour's rows are read without its code taking part (on one host the
 requester copies them itself). A serial numpy version computes the same grid;
 the two must agree exactly.
 
-    python examples/stencil.py                              # 256x256, 200 iterations, 4 contexts
+    python examples/stencil.py                              # 256x256, 200 iterations, a context per core
     python examples/stencil.py --size 512 --iterations 500 --contexts 2
 """
 
@@ -102,11 +102,12 @@ def parse_args(argv: list) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=256, help="the grid is size x size (default 256)")
     p.add_argument("--iterations", type=int, default=200, help="Jacobi iterations (default 200)")
-    p.add_argument("--contexts", type=int, default=4, help="contexts, one band each (default 4)")
+    p.add_argument("--contexts", type=int, default=None,
+                   help="contexts, one band each (default: one per core; under mpiexec, one per rank)")
     args = p.parse_args(argv)
-    if args.size < 3 or args.iterations < 0 or args.contexts < 1:
+    if args.size < 3 or args.iterations < 0 or (args.contexts is not None and args.contexts < 1):
         p.error("--size must be at least 3, --iterations at least 0, --contexts at least 1")
-    if args.contexts > args.size - 2:
+    if args.contexts is not None and args.contexts > args.size - 2:
         p.error(f"--contexts: a {args.size}x{args.size} grid has {args.size - 2} inner rows, "
                 f"at most one band per row")
     return args
@@ -115,6 +116,9 @@ def parse_args(argv: list) -> argparse.Namespace:
 def main() -> None:
     args = parse_args(sys.argv[1:])
     n, iterations, k = args.size, args.iterations, mf.num_contexts()
+    if k > n - 2:  # (contexts left to the default: one per core or rank)
+        raise SystemExit(f"stencil: a {n}x{n} grid has {n - 2} inner rows, fewer than the {k} "
+                         f"contexts (a band each): pass a larger --size")
     print(f"stencil: {n}x{n} grid, {iterations} Jacobi iterations, {k} bands on {k} contexts")
 
     t0 = time.perf_counter()

@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import MPI_MISSING
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -78,6 +80,44 @@ def test_fanout_under_macroflow_run():
                                      "--tasks-per-worker", "2", "--samples", "100000", "--arity", "2"])
     assert "k=2 contexts, 4 tasks" in out, out
     check_fanout(out, 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPI_MISSING is not None, reason=str(MPI_MISSING))
+@pytest.mark.parametrize("example, options", [
+    ("fanout.py", ["--tasks-per-worker", "2", "--samples", "100000", "--arity", "2"]),
+    ("stencil.py", ["--size", "20", "--iterations", "5"]),
+])
+def test_examples_under_mpiexec_take_a_context_per_rank(example, options):
+    # `mpiexec -n N python examples/X.py` (the README's and the guide's
+    # commands) with --contexts left out: one context per rank, whatever N
+    # (a default of 4 was refused by mf.run under 2 ranks)
+    from macroflow.transport.mpi import _find_mpiexec
+    out = run([_find_mpiexec(), "-n", "2", sys.executable, f"examples/{example}", *options])
+    if example == "fanout.py":
+        assert "k=2 contexts, 4 tasks" in out, out
+        check_fanout(out, 2)
+    else:
+        assert "2 bands on 2 contexts" in out and "match serial: yes" in out, out
+
+
+def test_examples_default_to_the_runtimes_number_of_contexts():
+    # --contexts left out: the runtime's default (a context per core, or
+    # per rank), not a number of the example's own
+    import importlib.util
+    for name in ["fanout", "matmul", "matvec", "pipeline", "stencil"]:
+        spec = importlib.util.spec_from_file_location(f"_example_{name}", EXAMPLES / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert mod.parse_args([]).contexts is None, name
+        assert mod.parse_args(["--contexts", "3"]).contexts == 3, name
+
+
+@pytest.mark.timeout(120)
+def test_stencil_with_more_contexts_than_inner_rows_says_so():
+    token_cmd = [sys.executable, "examples/stencil.py", "--size", "4", "--contexts", "3"]
+    proc = subprocess.run(token_cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "at most one band per row" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(120)
