@@ -1587,3 +1587,52 @@ def test_calls_on_one_context_share_one_transfer_of_a_future_each_with_its_own_c
     assert sent <= 10, sent
     # every arc was counted as served: dropped, the value leaves its home
     assert then <= held, (held, then)
+
+
+@mf.regular
+class _RegularBase:
+    def who(self):
+        return type(self).__name__
+
+    def base_only(self):
+        return "base"
+
+
+@mf.regular
+class _RegularDerived(_RegularBase):
+    def who(self):
+        return "derived:" + super().who()
+
+
+class _RegularUndecorated(_RegularDerived):
+    pass
+
+
+@mf.regular
+class _RegularOwnNew:
+    def __new__(cls, *args):
+        inst = super().__new__(cls)
+        inst.made_by = "own __new__"
+        return inst
+
+    def made(self):
+        return self.made_by
+
+
+@mf.regular
+class _RegularOwnNewDerived(_RegularOwnNew):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_a_regular_class_may_derive_from_a_regular_class(run):
+    # the derived class's instances are made as the base's are (its __new__
+    # makes handles: the instance's own was taken for a RegularHandle's,
+    # and every call failed with "RegularHandle.__init__() missing ... 'cls'")
+    def main():
+        return (_RegularDerived().who().result(10), _RegularDerived.create(on=1).who().result(10),
+                _RegularDerived().base_only().result(10), _RegularUndecorated().who().result(10),
+                _RegularOwnNewDerived().made().result(10), _RegularOwnNew().made().result(10))
+
+    assert run(main, contexts=2) == ("derived:_RegularDerived", "derived:_RegularDerived", "base",
+                                     "derived:_RegularUndecorated", "own __new__", "own __new__")

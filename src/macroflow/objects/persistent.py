@@ -412,6 +412,20 @@ def _regular_new(klass: type, *args: Any, **kwargs: Any) -> RegularHandle:
     return RegularHandle(klass, args, kwargs, None, running_computation())
 
 
+def _instance_new(cls: type) -> Callable[..., Any]:
+    """What makes an instance of ``cls`` itself: the ``__new__`` nearest in
+    its MRO, but of a base that is @mf.regular already the one that base
+    kept (its own ``__new__`` makes handles)."""
+    for klass in cls.__mro__:
+        own = klass.__dict__
+        if "__mf_new__" in own:
+            return own["__mf_new__"]
+        if "__new__" in own:
+            new = own["__new__"]
+            return new.__func__ if isinstance(new, staticmethod) else new
+    return object.__new__
+
+
 def regular(cls: T) -> T:
     """Mark a class as a regular (stateless) parallel object (Mentat).
 
@@ -430,8 +444,7 @@ def regular(cls: T) -> T:
     """
     _check_class(cls, "regular")
     cls.__mf_kind__ = "regular"
-    orig_new = cls.__new__
-    cls.__mf_new__ = staticmethod(orig_new if orig_new is not object.__new__ else object.__new__)
+    cls.__mf_new__ = staticmethod(_instance_new(cls))
     cls.__new__ = staticmethod(_regular_new)
     cls.create = classmethod(_create_regular)
     return cls
