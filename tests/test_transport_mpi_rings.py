@@ -375,3 +375,31 @@ def test_a_bad_rings_setting_under_mpiexec_is_a_clear_error_printed_once(tmp_pat
     """, env={"MACROFLOW_RINGS": "yes"})
     assert code != 0
     assert err.count("ValueError: the MACROFLOW_RINGS environment variable must be 0") == 1, err
+
+
+def test_the_first_calls_of_a_job_wake_a_rank_that_sleeps_before_its_ring_is_taken(tmp_path):
+    # A rank that sleeps while the ring it offered is not yet taken flags NAP,
+    # so the peer that switches to the ring and writes there wakes it. It did
+    # not: the job's first calls each waited a whole SLEEP_MAX (0.1 s; 0.2 s
+    # for the first call of every job). Here SLEEP_MAX is a minute: a missed
+    # wake-up shows as a job that does not end, not as a figure.
+    code, out, err = _mpiexec(tmp_path, 2, """
+        import time
+        import macroflow as mf
+        from macroflow.transport import mpi as M
+        M.SLEEP_MAX = 60.0
+
+        @mf.persistent
+        class P:
+            def ping(self):
+                return mf.context_id()
+
+        def main():
+            t = time.monotonic()
+            p = P.create(on=1)
+            got = [p.ping().result(30) for _ in range(4)]
+            print("pings", got, "in", "time" if time.monotonic() - t < 20 else "too long")
+
+        mf.run(main)
+    """, timeout=100)
+    assert code == 0 and "pings [1, 1, 1, 1] in time" in out, (code, out, err)

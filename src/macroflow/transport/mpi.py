@@ -1520,7 +1520,7 @@ class MpiTransport(Transport):
             return False
         if self._aside:
             return True  # delivered while a send waited: see poll
-        if host is None or not self.rins:
+        if host is None or not (self.rins or self.offers):
             return False
         _ring.fence()  # our flag before their BELL (see _wake_ring)
         return host.words[_ring.BELL] != self.bell_seen
@@ -1669,7 +1669,12 @@ class MpiTransport(Transport):
                     if self._spin(deadline, woken=True):
                         return True
                     continue
-                if self.rins and self.nap(True):
+                # (a ring offered and not yet taken counts: its peer may
+                # switch to it and write there while we sleep, and wakes us
+                # only if NAP is flagged; it was not, and the first calls of
+                # a job waited SLEEP_MAX each)
+                rings = self.rins or self.offers
+                if rings and self.nap(True):
                     # a ring frame came since we last looked: NAP is flagged
                     # (a writer from here on wakes us), look once more
                     if not self.signalling:
@@ -1683,7 +1688,7 @@ class MpiTransport(Transport):
                 try:
                     waker.sleep(min(left, longest))
                 finally:
-                    if self.rins and not self.signalling:
+                    if rings and not self.signalling:
                         self.nap(False)
                 continue
             else:
