@@ -82,6 +82,10 @@ def parse_args(argv: list) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.arity < 2 or args.tasks_per_worker < 1 or args.samples < 1:
         p.error("--arity must be at least 2, --tasks-per-worker and --samples at least 1")
+    if args.contexts is not None and args.contexts < 1:
+        p.error("--contexts must be at least 1")
+    if args.wait_for is not None and (args.listen is None or args.wait_for < 1):
+        p.error("--wait-for N needs --listen, and N at least 1")
     return args
 
 

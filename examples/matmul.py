@@ -110,7 +110,11 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=None,
                    help="k: row blocks per matrix (default: one per core, at most one per context)")
     p.add_argument("--seed", type=int, default=1)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.size < 1 or (args.contexts is not None and args.contexts < 1) \
+            or (args.blocks is not None and not 1 <= args.blocks <= args.size):
+        p.error("--size and --contexts must be at least 1, --blocks from 1 to --size")
+    return args
 
 
 def main() -> None:

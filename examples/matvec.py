@@ -63,7 +63,8 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="power steps A^k x (default 5)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
-    if args.size < 1 or (args.contexts is not None and args.contexts < 1) or args.steps < 0 or (args.blocks or 1) < 1:
+    if args.size < 1 or (args.contexts is not None and args.contexts < 1) or args.steps < 0 \
+            or (args.blocks or 1) < 1:
         p.error("--size, --contexts and --blocks must be at least 1, --steps at least 0")
     if (args.blocks or 1) > args.size:
         p.error(f"--blocks: at most one block per row ({args.size})")

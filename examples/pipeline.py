@@ -111,9 +111,14 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--min-size", type=int, default=50_000)
     p.add_argument("--max-size", type=int, default=1_500_000)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--placement", default=None,
+    p.add_argument("--placement", default=None, choices=["round-robin", "random", "best-most-recently"],
                    help="round-robin (the default), random or best-most-recently")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.contexts is not None and args.contexts < 1:
+        p.error("--contexts must be at least 1")
+    if args.items < 1 or args.min_size < 1 or args.max_size < args.min_size:
+        p.error("--items and --min-size must be at least 1, --max-size at least --min-size")
+    return args
 
 
 def main() -> None:

@@ -113,11 +113,27 @@ def test_examples_default_to_the_runtimes_number_of_contexts():
         assert mod.parse_args(["--contexts", "3"]).contexts == 3, name
 
 
-@pytest.mark.timeout(120)
-def test_stencil_with_more_contexts_than_inner_rows_says_so():
-    token_cmd = [sys.executable, "examples/stencil.py", "--size", "4", "--contexts", "3"]
-    proc = subprocess.run(token_cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "at most one band per row" in proc.stderr, proc.stderr
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command, says", [
+    ("stencil.py --size 4 --contexts 3", "at most one band per row"),
+    ("fanout.py --contexts 0", "--contexts must be at least 1"),
+    ("fanout.py --wait-for 5", "--wait-for N needs --listen"),
+    ("pipeline.py --min-size 10 --max-size 5", "--max-size at least --min-size"),
+    ("pipeline.py --items 0", "--items and --min-size must be at least 1"),
+    ("pipeline.py --placement bogus", "invalid choice: 'bogus'"),
+    ("matmul.py --size 0", "--size and --contexts must be at least 1"),
+    ("matmul.py --blocks 0", "--blocks from 1 to --size"),
+    ("matmul.py --size 5 --blocks 6", "--blocks from 1 to --size"),
+    ("matvec.py --contexts 0", "--contexts and --blocks must be at least 1"),
+])
+def test_an_example_given_a_bad_option_says_which(command, says):
+    # a usage error (exit 2, one line), not a traceback from numpy or from
+    # the runtime, nor a run that does nothing (--items 0)
+    name, *options = command.split()
+    proc = subprocess.run([sys.executable, f"examples/{name}", *options], cwd=ROOT,
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(120)
