@@ -222,6 +222,8 @@ def test_cli_run_gives_the_script_its_arguments_while_its_top_level_runs(tmp_pat
     ("def main(x):\n    return x\n", 1, "macroflow run: mf.run(): main(x) cannot be called "
                                            "with no arguments"),
     ("main = 5\n", 1, "defines int 'main', not a function"),
+    ("class main:\n    pass\n", 1, "defines class main, not a function: --main names the "
+                                   "function to run"),
     ("import macroflow as mf\ndef main():\n    return 1\nmf.run(main, contexts=2)\n", 1,
      "starts a computation at its top level (mf.run, mf.init or mf.spmd) while `macroflow "
      "run` loads it"),

@@ -149,6 +149,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not callable(main):
         raise SystemExit(f"macroflow run: {args.script} defines {type(main).__name__} "
                          f"{args.main!r}, not a function")
+    if isinstance(main, type):  # (callable, but run it would only make an instance)
+        raise SystemExit(f"macroflow run: {args.script} defines class {args.main}, not a "
+                         f"function: --main names the function to run")
     try:
         launch._check_main(main, (), {})
     except TypeError as e:
