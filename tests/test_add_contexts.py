@@ -259,3 +259,30 @@ def test_too_few_file_descriptors_are_found_before_any_context_is_added(tmp_path
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["refused: RLIMIT_NOFILE", "descriptors kept: 0",
                                        "contexts: [0, 1] stats: [0, 1]", "added: [2]"]
+
+
+def init_for_an_hour(cid):
+    import time
+    time.sleep(3600)
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_a_context_whose_init_outlives_the_timeout_is_stopped_and_never_used(transport):
+    # it was shown "running" and given work, which waited behind its init
+    # (for ever, if init never returned), and could not be removed
+    def main():
+        with pytest.raises(mf.TimeoutError, match=r"add_contexts: contexts \[2\] did not report "
+                                                  r"in within 0.5 s \(their init had not returned"
+                                                  r"\); they were stopped; no work is placed"):
+            mf.add_contexts(1, init=init_for_an_hour, timeout=0.5)
+        states = [(c.id, c.state) for c in mf.contexts()]
+        places = sorted({Where.create().here().result(timeout=20) for _ in range(6)})
+        with pytest.raises(mf.ContextLost, match="did not report in within 0.5 s"):
+            mf.remove_context(2)
+        new = mf.add_contexts(1, init=set_tag)  # the next ones come after it, and work
+        return states, places, new, Where.create(on=new[0]).tag().result(timeout=20)
+
+    states, places, new, tag = mf.run(main, contexts=2, transport=transport)
+    assert states == [(0, "running"), (1, "running"), (2, "lost")]
+    assert places == [1]
+    assert new == [3] and tag == "initialised-3"

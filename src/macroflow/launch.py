@@ -319,6 +319,11 @@ class Launcher:
         raise ValueError(f"the {self.session.transport_name} transport cannot add contexts "
                          f"while running")
 
+    def stop_added(self, ctx: int) -> bool:
+        """End context ``ctx``, added and not yet reported in (its ``init``
+        outlived :func:`add_contexts`'s timeout); False where it cannot be."""
+        return False
+
     def pid(self, ctx: int) -> Optional[int]:
         """The process id of context ``ctx`` (started with the computation)."""
         return os.getpid() if ctx == 0 else None
@@ -504,6 +509,16 @@ class ForkLauncher(Launcher):
         if ctx in self.pids:
             return self.pids[ctx]
         return self.server.pids.get(ctx) if self.server is not None else None
+
+    def stop_added(self, ctx: int) -> bool:
+        pid = self.server.pids.get(ctx) if self.server is not None else None
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)  # (the fork server reaps it)
+        except ProcessLookupError:
+            pass
+        return True
 
     def describe_lost(self, peer: int) -> str:
         pid = self.pids.get(peer)
@@ -761,6 +776,11 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         MacroflowError: ``init`` raised in a new context (with its traceback;
             that context is not used, the others are).
         ContextLost: a new context died before it reported in.
+        TimeoutError: a new context did not report in within ``timeout``
+            seconds (its ``init`` had not returned): it counts as lost, no
+            work is placed on it, and it is stopped (on ``local`` and
+            ``tcp``; elsewhere it ends with the computation). Those that
+            reported in are used.
         LimitError: this host cannot hold ``n`` more contexts (too little
             memory, RLIMIT_NPROC, or on ``local`` and ``tcp`` too few free
             file descriptors, RLIMIT_NOFILE): found before any is started.
@@ -798,16 +818,38 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     # before its end is seen, and is the better news
     done = eng.driver.run_until(
         lambda: all(c in eng.joined or (c in eng.lost and not eng.inbox) for c in ids), deadline)
-    for c in eng.context_ids():  # every context may place work on the new ones now
+    late = [] if done else [c for c in ids if c not in eng.joined and c not in eng.lost]
+    stopped = [c for c in late if s.launcher.stop_added(c)]
+    for c in late:
+        # no work goes to a context whose init has not returned (it would
+        # wait behind it, for ever if init never returns): it counts as
+        # lost, here and, once it is stopped, wherever it is sought
+        how = (f"it did not report in within {timeout} s of mf.add_contexts (its init had "
+               f"not returned)" + ("; it was stopped" if c in stopped else ""))
+        if c not in eng.lost:  # (as peer_lost, without asking the launcher how it went)
+            eng.lost[c] = how
+            eng.stats.contexts_lost += 1
+            eng.lost_queue.append(c)
+    # every context may place work on the new ones now (those that reported in)
+    members = max([c for c in ids if c not in late], default=ids[0] - 1) + 1 if late else eng.size
+    for c in eng.context_ids():
         if c != eng.id:
             try:
-                eng.send(c, (MEMBERS, eng.size))
+                eng.send(c, (MEMBERS, members))
             except Exception:
                 pass
     eng.transport.flush()
     if not done:
-        raise errors.TimeoutError(f"add_contexts: contexts {ids} did not report in within "
-                                  f"{timeout} s")
+        still = [c for c in late if c not in stopped]
+        raise errors.TimeoutError(
+            f"add_contexts: contexts {late} did not report in within {timeout} s (their init "
+            f"had not returned); "
+            + ("they were stopped" if not still else
+               f"contexts {still} cannot be stopped on {s.transport_name} and end with the "
+               f"computation")
+            + "; no work is placed on them" + (
+                f" (contexts {[c for c in ids if c not in late]} reported in and are used)"
+                if len(late) < len(ids) else ""))
     for c in ids:
         if c not in eng.joined:
             raise errors.ContextLost(c, eng.lost[c])
@@ -839,7 +881,8 @@ def remove_context(cid: int, timeout: float = 60.0) -> None:
         TimeoutError: ``cid`` did not finish its calls within ``timeout``
             seconds (it goes on retiring). On ``inproc``, where every context
             shares this thread, only once the method computing there returns.
-        ContextLost: ``cid`` died while it retired.
+        ContextLost: ``cid`` was lost before the call (it died, say), or
+            died while it retired.
 
     Example:
         >>> import macroflow as mf
