@@ -182,3 +182,35 @@ def test_calls_passed_round_busy_contexts_are_answered_not_called_a_cycle(run, l
     ran = run(main, contexts=3,
               placement=Placement("round-robin", threshold=0, transfer_limit=limit))
     assert sum(ran.values()) == 12
+
+
+@mf.regular
+class _Pid:
+    def pid(self):
+        import os
+        return os.getpid()
+
+    def ctx(self):
+        return mf.context_id()
+
+
+def test_a_context_lost_while_main_computes_gets_no_new_stateless_calls():
+    # main kills a context and goes on in its own code (no wait, so the
+    # engine does not look at its transport): the stateless calls it issues
+    # next must not be placed there; the first of them was, and failed
+    # with ContextLost
+    import os
+    import select
+    import signal
+    from macroflow.core.context import current_engine
+
+    def main():
+        pid = _Pid.create(on=2).pid().result(20)
+        (conn,) = [c for c in current_engine().transport.byfd.values() if c.peer == 2]
+        os.kill(pid, signal.SIGKILL)
+        # until context 0 could know: its connection to 2 reads as closed
+        assert select.select([conn.sock], [], [], 20)[0]
+        fs = [_Pid().ctx() for _ in range(20)]
+        return [type(f.exception(timeout=20)).__name__ for f in fs if f.exception(timeout=20)]
+
+    assert mf.run(main, contexts=3, transport="local") == []

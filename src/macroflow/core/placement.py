@@ -13,6 +13,7 @@ sent them since.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any, Optional
 
 POLICIES = ("round-robin", "random", "best-most-recently")
@@ -23,6 +24,9 @@ def _check_int(name: str, value: Any, least: int, meaning: str) -> None:
         raise TypeError(f"{name} must be an int >= {least}, not {type(value).__name__}; got {value!r}")
     if value < least:
         raise ValueError(f"{name} must be an int >= {least}{meaning}; got {value!r}")
+
+
+LOOK_EVERY = 0.02  # seconds: see Placement._look
 
 
 class Placement:
@@ -82,6 +86,7 @@ class Placement:
         self.rng = random.Random(seed)
         self.seed = seed
         self.next = 0
+        self.look_at = 0.0  # (see _look)
 
     def __repr__(self) -> str:
         """What it was made with, as it would be made again.
@@ -137,6 +142,7 @@ class Placement:
         """
         if eng.size == 1 or eng.load() < self.threshold:
             return eng.id
+        self._look(eng)
         dest = self.choose(eng, exclude=None)
         return eng.id if dest is None else dest
 
@@ -154,8 +160,20 @@ class Placement:
         """
         if eng.size == 1:
             return 0
+        self._look(eng)
         dest = self.choose(eng, exclude=0)
         return 0 if dest is None else dest
+
+    def _look(self, eng: Any) -> None:
+        # A context lost while this one ran user code (main's own loop, a
+        # long method) is known only once the transport is looked at: until
+        # then it would still be chosen, and the call fail with ContextLost.
+        # Looked at before a choice, at most every LOOK_EVERY seconds (a
+        # burst of calls pays for one look).
+        now = time.monotonic()
+        if now >= self.look_at and not eng.dispatching:
+            self.look_at = now + LOOK_EVERY
+            eng.poll()
 
     def choose(self, eng: Any, exclude: Optional[int]) -> Optional[int]:
         """The location policy: a context other than ``exclude``, not lost and
