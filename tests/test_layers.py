@@ -75,7 +75,8 @@ def test_the_core_registers_its_own_opcodes_and_derives_the_served_set():
          core.FATAL, core.PROBE, core.MEMBERS, core.JOINED, core.RETIRE, core.HANDOVER,
          core.RETIRED, core.RETIRE_ACK, core.LEFT, core.BIG, core.STATS])
     assert sorted(op for op in core.SERVED_WHILE_BUSY if op < 19) == sorted(
-        [core.FORWARD, core.RELEASE, core.RSR_NOW, core.BIG, core.STATS])
+        [core.FORWARD, core.RELEASE, core.RSR_NOW, core.BIG, core.STATS, core.RETIRE,
+         core.RETIRED])
     core.register(210, lambda eng, src, msg: None, served_while_busy=True)
     try:
         assert 210 in core.HANDLERS and 210 in core.SERVED_WHILE_BUSY

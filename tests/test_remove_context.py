@@ -348,3 +348,32 @@ def test_a_stateless_handle_pinned_to_a_removed_context_runs_where_its_work_went
         return pinned.where(2).result(30)
 
     assert run(main, contexts=3) == (2, 0)  # context 0 is the heir
+
+
+@mf.persistent
+class _Computes:
+    def until_told(self, path):
+        # pure Python, no wait: the context serves only what needs no user code
+        while not os.path.exists(path):
+            pass
+        return "done"
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_removing_an_idle_context_does_not_wait_for_a_method_computing_elsewhere(transport,
+                                                                                  tmp_path):
+    # every context acks the removal; one whose method computed acked only
+    # when the method ended, so the idle context's removal timed out,
+    # blaming the idle context
+    flag = tmp_path / "flag"
+
+    def main():
+        busy = _Computes.create(on=2)
+        f = busy.until_told(str(flag))
+        mf.remove_context(1, timeout=20)  # (the method computes until the flag is made)
+        states = [c.state for c in mf.contexts()]
+        flag.write_text("go")
+        return states, f.result(20)
+
+    states, done = mf.run(main, contexts=3, transport=transport)
+    assert states == ["running", "removed", "running"] and done == "done"

@@ -2749,6 +2749,17 @@ def _serve_forward_busy(eng: Engine, src: int, msg: tuple) -> Optional[bool]:
     return None
 
 
+def _serve_retiring_busy(eng: Engine, msg: tuple, on: Callable[..., None]) -> Optional[bool]:
+    # While a method computes: another context's removal is noted, and acked,
+    # at once (what the method sends there from then on goes to the heir);
+    # or the removal of an idle context waited for the longest method
+    # anywhere. The retiring context's own, in its turn: it ends its calls.
+    if msg[1] == eng.id:
+        return False
+    on(*msg[1:])
+    return None
+
+
 def _serve_release(eng: Engine, src: int, msg: tuple) -> None:
     eng._on_release(_unpack_release(msg[1]))
 
@@ -2847,9 +2858,11 @@ register(FATAL, _serve_fatal)
 register(PROBE, _serve_probe)
 register(MEMBERS, _serve_members)
 register(JOINED, _serve_joined)
-register(RETIRE, lambda eng, src, msg: eng._on_retire(msg[1], msg[2]))
+register(RETIRE, lambda eng, src, msg: eng._on_retire(msg[1], msg[2]),
+         served_while_busy=lambda eng, src, msg: _serve_retiring_busy(eng, msg, eng._on_retire))
 register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))
-register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]))
+register(RETIRED, lambda eng, src, msg: eng._on_retired(msg[1], msg[2], msg[3]),
+         served_while_busy=lambda eng, src, msg: _serve_retiring_busy(eng, msg, eng._on_retired))
 register(RETIRE_ACK, lambda eng, src, msg: eng._on_retire_ack(src))
 register(LEFT, lambda eng, src, msg: eng.left.add(src))
 register(BIG, _serve_big, served_while_busy=True)
