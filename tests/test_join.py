@@ -453,3 +453,23 @@ def test_waiting_for_contexts_a_computation_that_does_not_listen_cannot_get_is_r
         return mf.wait_contexts(2)
 
     assert run(main, contexts=2) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_secret_given_as_bytes_is_the_same_secret_as_that_text():
+    # it was made str(b'...'), so a worker with the same secret was refused
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET.encode()) as s:
+        w = start_worker(s.launcher.address)
+        assert mf.wait_contexts(3, timeout=60) == 3
+        assert Where.create(on=2).here().result(30)[0] == 2
+    assert finish(w)[0] == 0
+
+
+@pytest.mark.parametrize("secret, error, match", [
+    (12345678901234567890, TypeError, r"secret= must be a str \(or UTF-8 bytes\); got int"),
+    (b"\xff" * 20, ValueError, r"secret= as bytes must be UTF-8 text"),
+    (b"short", ValueError, r"secret= holds a secret of 5 characters"),
+])
+def test_a_secret_that_is_no_text_is_refused(secret, error, match):
+    with pytest.raises(error, match=match):
+        mf.init(contexts=2, listen="127.0.0.1:0", secret=secret)

@@ -1212,7 +1212,17 @@ def _listen_launcher(transport: str, listen: Any, secret: Optional[str],
         or bool(os.environ.get("MACROFLOW_SECRET_FILE"))
     if secret is not None:
         from .transport.tcp import _check_secret
-        secret = _check_secret(str(secret), "secret=")
+        if isinstance(secret, (bytes, bytearray)):
+            # (the workers' MACROFLOW_SECRET is text: the same bytes as text)
+            try:
+                secret = bytes(secret).decode()
+            except UnicodeDecodeError:
+                raise ValueError("secret= as bytes must be UTF-8 text, as the workers' "
+                                 "MACROFLOW_SECRET or --secret-file is") from None
+        if not isinstance(secret, str):
+            raise TypeError(f"secret= must be a str (or UTF-8 bytes); got "
+                            f"{type(secret).__name__}")
+        secret = _check_secret(secret, "secret=")
     else:
         secret = load_secret()
 
