@@ -277,6 +277,113 @@ def test_a_worker_that_cannot_reach_the_computation_says_so():
     assert r.returncode == 1 and "cannot reach 127.0.0.1:1" in r.stderr
 
 
+# -- strangers at the door ------------------------------------------------------
+def short_handshakes(monkeypatch, seconds):
+    """Contexts started from here on (forked, so they inherit it) close a
+    connection that stalls in its handshake after ``seconds``, not 10."""
+    from macroflow.transport import tcp
+    original = tcp.TcpTransport.__init__
+
+    def short(self, *args, **kw):
+        kw["handshake_timeout"] = seconds
+        original(self, *args, **kw)
+
+    monkeypatch.setattr(tcp.TcpTransport, "__init__", short)
+
+
+def closed_within(socks, seconds):
+    """How long after now each of ``socks`` was closed by the other end (what
+    it sent first is read), None for those still open after ``seconds``."""
+    import select
+    start = time.monotonic()
+    when = [None] * len(socks)
+    while None in when and time.monotonic() - start < seconds:
+        open_ = [s for s, w in zip(socks, when) if w is None]
+        for s in select.select(open_, [], [], 0.5)[0]:
+            try:
+                data = s.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                when[socks.index(s)] = time.monotonic() - start
+    return when
+
+
+@mf.persistent
+class Blocks:
+    def until_told(self, fifo):
+        with open(fifo) as f:  # until the test opens it to write, and closes it
+            return f.read()
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_waits(
+        monkeypatch, tmp_path):
+    # A connection that sends nothing wakes no descriptor: while main waited in
+    # result() (and while context 1 waited for calls), the stranger was closed
+    # only when something else woke the context, here never.
+    import socket
+    import threading
+    short_handshakes(monkeypatch, 1.0)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    watched = {}
+
+    def watch(socks):
+        try:
+            watched["when"] = closed_within(socks, 20)
+        finally:
+            with open(fifo, "w") as f:  # the long call ends
+                f.write("over")
+
+    with mf.init(contexts=3, listen="127.0.0.1:0", secret=SECRET) as s:
+        long_call = Blocks.create(on=2).until_told(fifo)
+        doors = [s.launcher.address, dict(mf.contexts()[1].protocols)["tcp"]]
+        strangers = [socket.create_connection(tuple(a.rsplit(":", 1)), timeout=10) for a in doors]
+        watcher = threading.Thread(target=watch, args=(strangers,))
+        watcher.start()
+        try:
+            assert long_call.result(timeout=60) == "over"
+        finally:
+            watcher.join()
+            for sock in strangers:
+                sock.close()
+        assert Where.create(on=1).here().result()[0] == 1  # nothing else disturbed
+    when = watched["when"]
+    assert None not in when, when  # context 0's door, then context 1's own port
+    assert all(0.5 < w < 5.0 for w in when), when
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_joins_while_as_many_strangers_as_are_admitted_at_once_stay_silent(
+        monkeypatch):
+    # With the door's every place taken by strangers that send nothing, the
+    # worker waited in the backlog for ever: they were closed only when
+    # something else woke context 0, and mf.wait_contexts woke it for nothing.
+    import inspect
+    import socket
+    from macroflow.transport.tcp import TcpTransport
+    places = inspect.signature(TcpTransport).parameters["max_handshakes"].default
+    short_handshakes(monkeypatch, 2.0)
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        host, port = s.launcher.address.rsplit(":", 1)
+        strangers = [socket.create_connection((host, int(port)), timeout=10)
+                     for _ in range(places)]
+        w = start_worker(s.launcher.address)
+        try:
+            start = time.monotonic()
+            assert mf.wait_contexts(3, timeout=20) == 3
+            took = time.monotonic() - start
+            assert Where.create(on=2).here().result()[0] == 2
+            when = closed_within(strangers, 10)
+        finally:
+            for sock in strangers:
+                sock.close()
+    assert finish(w)[0] == 0
+    assert None not in when  # each was closed (after its challenge)
+    assert took < 15  # one handshake timeout, and the worker's start
+
+
 # -- separate hosts ---------------------------------------------------------------
 MAIN = """
 import json, os, sys

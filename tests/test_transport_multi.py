@@ -270,6 +270,35 @@ def test_one_module_is_left_to_wait_by_itself():
         two.close()
 
 
+def test_a_stalled_handshake_is_closed_while_another_protocol_keeps_the_context_asleep():
+    # A stranger that connects to the tcp module and sends nothing wakes no
+    # descriptor: the poll slept the whole timeout the engine gave it (for
+    # ever in a wait), and the stranger held its place in the lobby
+    import time
+    from macroflow.transport.tcp import TcpTransport
+    from transport_harness import SECRET
+    tcp = TcpTransport(0, SECRET, "c0ffee00", handshake_timeout=0.3)
+    zero = MultiTransport(0, [LocalTransport(0, {}), tcp])
+    zero.attach(lambda s, b, l: None, None)
+    host, port = tcp.address()[1].rsplit(":", 1)
+    stranger = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        while not tcp.shaking:
+            zero.poll(0.01)
+        start = time.monotonic()
+        while tcp.shaking:
+            zero.poll(5.0)  # comes back, before its timeout, to close it
+        took = time.monotonic() - start
+        assert took < 2.0 and tcp.handshakes_failed == 1 and tcp.incoming == 0
+        stranger.settimeout(30)
+        while stranger.recv(4096):  # its challenge, then the end: closed by the context
+            pass
+        assert zero.next_due() is None
+    finally:
+        stranger.close()
+        zero.close()
+
+
 @mf.persistent
 class _Nop:
     def nop(self, x=None):

@@ -553,6 +553,13 @@ class LoopDriver:
             if due is not None:
                 left = max(0.0, due - time.monotonic())
                 delay = left if delay is None else min(delay, left)
+        if self.fd is not None:
+            # what the transport must do unasked (close a stalled handshake)
+            # does not make its descriptor readable: come back by then
+            due = self.engine.transport.next_due()
+            if due is not None:
+                left = max(0.0, due - time.monotonic()) + 1e-3
+                delay = left if delay is None else min(delay, left)
         if delay is not None:
             self._schedule(delay)
 

@@ -99,6 +99,19 @@ class Transport(abc.ABC):
         waiting. Here, every frame passes through the descriptor: False."""
         return False
 
+    def next_due(self) -> Optional[float]:
+        """When (``time.monotonic``) this transport next has something to do
+        that no descriptor announces (a handshake to time out, say): whoever
+        sleeps on :meth:`fileno`, or waits in another module's :meth:`poll`,
+        wakes by then and polls. None if nothing is due.
+
+        Example:
+            >>> from macroflow.transport.inproc import InprocTransport, World
+            >>> InprocTransport(World(), 0).next_due() is None
+            True
+        """
+        return None
+
     def settle(self, timeout: float) -> None:
         """Finish what is under way with peers (``timeout`` seconds at most)
         before this context stops polling for a while (a context added while

@@ -91,6 +91,9 @@ class MultiTransport(Transport):
         self.blind: List[Transport] = []  # modules with no descriptor to sleep on
         # the only module, when there is one: poll leaves the waiting to it
         self.single: Optional[Transport] = modules[0] if len(modules) == 1 else None
+        # modules with deadlines that no descriptor announces (tcp's handshakes)
+        self.timed = [m for m in modules
+                      if getattr(type(m), "next_due", Transport.next_due) is not Transport.next_due]
         for m in modules:
             fd = m.fileno()
             if fd is None:
@@ -215,6 +218,24 @@ class MultiTransport(Transport):
             m = self.choose(dest)
         return m
 
+    def next_due(self) -> Optional[float]:
+        """The soonest of the modules' :meth:`~macroflow.transport.base.Transport.next_due`
+        (when a handshake under way may stall, on tcp); None if none is due.
+
+        Example:
+            >>> from macroflow.transport.local import LocalTransport
+            >>> t = MultiTransport(0, [LocalTransport(0, {})])
+            >>> t.next_due() is None
+            True
+            >>> t.close()
+        """
+        due = None
+        for m in self.timed:
+            d = m.next_due()
+            if d is not None and (due is None or d < due):
+                due = d
+        return due
+
     # -- the Transport interface --------------------------------------------
     def send(self, dest: int, parts: Sequence[object], load: int) -> int:
         m = self.route.get(dest) or self._module_for(dest)
@@ -269,11 +290,20 @@ class MultiTransport(Transport):
                 if t > end or t - last > _PREEMPTED:
                     break
                 last = t
+        stall = None
         while True:
             if not events:
                 wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
                 if self.blind:  # no descriptor to sleep on: look at them every millisecond
                     wait = 0.001 if wait < 0 else min(wait, 0.001)
+                # a connection that stalls in its handshake makes no descriptor
+                # readable: wake up to close it, or it holds its place in the
+                # lobby (and the lobby's cap keeps real peers out) until
+                # something else wakes this context
+                stall = self.next_due() if self.timed else None
+                if stall is not None:
+                    left = max(0.0, stall - time.monotonic()) + 1e-3
+                    wait = left if wait < 0 else min(wait, left)
                 try:
                     events = self.ep.poll(wait)
                 except InterruptedError:
@@ -282,6 +312,12 @@ class MultiTransport(Transport):
                 got = self.byfd[fd].poll(0) or got
             for m in self.blind:
                 got = m.poll(0) or got
+            if stall is not None and time.monotonic() >= stall:
+                for m in self.timed:
+                    got = m.poll(0) or got  # times the stalled handshakes out
+                # and returns, as a lone tcp module's poll does: a connection
+                # of ours that stalled is a lost peer, news for the engine
+                return got or self.delivered
             # an event that delivered nothing (a peer lost, a handshake step) is
             # news for the engine too: go back to it
             if got or self.delivered or events or \

@@ -766,6 +766,35 @@ class TcpTransport(LocalTransport):
                 soonest = left if soonest is None else min(soonest, left)
         return soonest
 
+    def next_due(self) -> Optional[float]:
+        """When (``time.monotonic``) the next handshake under way may stall:
+        a connection that sends nothing makes no descriptor readable, so
+        whoever sleeps for this transport (another protocol's poll in a
+        :class:`~macroflow.transport.multi.MultiTransport`, say) wakes by
+        then and polls it, which closes it. None with no deadline pending.
+
+        Example:
+            >>> import socket, time
+            >>> t = TcpTransport(0, "a secret of sixteen bytes or more", "c0ffee00",
+            ...                  handshake_timeout=0.2)
+            >>> t.next_due() is None
+            True
+            >>> s = socket.create_connection(t.address()[1].rsplit(":", 1))
+            >>> while not t.shaking:
+            ...     _ = t.poll(0.01)
+            >>> t.next_due() - time.monotonic() <= 0.2
+            True
+            >>> while t.shaking:
+            ...     _ = t.poll(None)  # it wakes up to close the silent stranger
+            >>> t.next_due() is None, t.handshakes_failed
+            (True, 1)
+            >>> s.close(); t.close()
+        """
+        if not self.shaking:
+            return None
+        due = min(e.deadline for e in self.shaking.values())
+        return None if due == math.inf else due
+
     def poll(self, timeout: Optional[float]) -> bool:
         # True when frames were delivered, however they came: a caller that
         # sleeps on False (MultiTransport) would leave them in the engine's
