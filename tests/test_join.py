@@ -354,6 +354,44 @@ def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_wait
     assert all(0.5 < w < 5.0 for w in when), when
 
 
+@pytest.mark.timeout(90)
+def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_awaits(
+        monkeypatch, tmp_path):
+    # asyncio: the loop watched the transport's descriptor, which a silent
+    # stranger never makes readable, and came back only when the call ended
+    import asyncio
+    import socket
+    import threading
+    short_handshakes(monkeypatch, 1.0)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    watched = {}
+
+    def watch(socks):
+        try:
+            watched["when"] = closed_within(socks, 20)
+        finally:
+            with open(fifo, "w") as f:
+                f.write("over")
+
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        blocks = Blocks.create(on=1)
+        stranger = socket.create_connection(tuple(s.launcher.address.rsplit(":", 1)), timeout=10)
+        watcher = threading.Thread(target=watch, args=([stranger],))
+        watcher.start()
+
+        async def long_call():
+            return await blocks.until_told(fifo)
+
+        try:
+            assert asyncio.run(long_call()) == "over"
+        finally:
+            watcher.join()
+            stranger.close()
+    when = watched["when"]
+    assert when[0] is not None and 0.5 < when[0] < 5.0, when
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_joins_while_as_many_strangers_as_are_admitted_at_once_stay_silent(
         monkeypatch):
