@@ -286,3 +286,20 @@ def test_a_context_whose_init_outlives_the_timeout_is_stopped_and_never_used(tra
     assert states == [(0, "running"), (1, "running"), (2, "lost")]
     assert places == [1]
     assert new == [3] and tag == "initialised-3"
+
+
+def test_an_init_that_cannot_be_pickled_is_refused_before_any_context_starts(run):
+    # (a raw TypeError from the pickler, naming neither add_contexts nor init)
+    def main():
+        lock = threading.Lock()
+
+        def init(cid):
+            with lock:
+                pass
+
+        with pytest.raises(mf.CallError, match=r"add_contexts: init .*init cannot be sent to the "
+                                               r"new contexts: cannot pickle '_thread.lock'"):
+            mf.add_contexts(1, init=init)
+        return mf.num_contexts()
+
+    assert run(main, contexts=2) == 2

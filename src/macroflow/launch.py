@@ -773,6 +773,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             transport cannot add contexts.
         RuntimeError: called inside a method, or not on context 0; or (on
             ``local``) the fork server that makes new contexts has ended.
+        CallError: ``init`` cannot be pickled (found before any context is
+            started).
         MacroflowError: ``init`` raised in a new context (with its traceback;
             that context is not used, the others are).
         ContextLost: a new context died before it reported in.
@@ -799,6 +801,12 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         raise TypeError(f"add_contexts: init must be a function of the context id, or None; "
                         f"got {init!r}")
     timeout = _positive_seconds(timeout, "add_contexts: timeout")
+    if init is not None:
+        try:  # (it travels to each new context: said here, before any is started)
+            marshal.dumps(init)
+        except marshal.PICKLE_ERRORS as e:
+            raise errors.CallError(f"add_contexts: init {getattr(init, '__qualname__', init)!s} "
+                                   f"cannot be sent to the new contexts: {e}") from e
     s = _main_session("mf.add_contexts()")
     eng = s.engine
     assert eng is not None
