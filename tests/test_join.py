@@ -470,7 +470,8 @@ def test_workers_on_separate_hosts_join_and_talk_to_each_other(tmp_path):
     assert got["local"]["2"] == 0 and got["local"]["3"] == 0 and got["local"]["1"] > 0
 
 
-def test_workers_join_over_tls_with_the_shared_certificate():
+def test_workers_join_over_tls_with_the_shared_certificate(caplog):
+    import logging
     from transport_harness import certificate
     cert, key = certificate()
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(cert, key)) as s:
@@ -478,6 +479,9 @@ def test_workers_join_over_tls_with_the_shared_certificate():
         assert mf.wait_contexts(3, timeout=60) == 3
         assert Where.create(on=2).here().result()[0] == 2
     assert finish(w)[0] == 0
+    # the worker's probe of the route (connected, then closed) is no failure:
+    # each join warned "the TLS handshake failed: ... UNEXPECTED_EOF"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_a_worker_without_tls_cannot_join_a_computation_that_speaks_it():

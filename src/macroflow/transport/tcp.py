@@ -847,6 +847,12 @@ class TcpTransport(LocalTransport):
                 self._watch(e, True)
                 return False
             except ssl.SSLError as err:
+                if isinstance(err, ssl.SSLEOFError) or \
+                        getattr(err, "reason", None) == "UNEXPECTED_EOF_WHILE_READING":
+                    # (as a plain connection that closes before a byte: a
+                    # worker's probe of the route does, and nothing is amiss)
+                    raise _Refused("it closed the connection during the TLS handshake",
+                                   logging.INFO) from None
                 raise _Refused(f"the TLS handshake failed: {err}") from None
             self._progress(e)
             e.state = _START
