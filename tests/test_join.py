@@ -622,3 +622,18 @@ def test_a_secret_given_as_bytes_is_the_same_secret_as_that_text():
 def test_a_secret_that_is_no_text_is_refused(secret, error, match):
     with pytest.raises(error, match=match):
         mf.init(contexts=2, listen="127.0.0.1:0", secret=secret)
+
+
+@pytest.mark.timeout(60)
+def test_the_worker_command_checks_the_hosts_limits_before_it_starts():
+    # (it opened sockets until the descriptors ran out, then printed a traceback)
+    import resource
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (60, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1",
+                        "-n", "100"], env={**os.environ, "MACROFLOW_SECRET": SECRET},
+                       preexec_fn=few_descriptors, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "macroflow worker: error: -n 100:" in r.stderr and "RLIMIT_NOFILE" in r.stderr, r.stderr

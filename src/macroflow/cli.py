@@ -530,6 +530,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             and not os.environ.get("MACROFLOW_SECRET_FILE"):
         args.parser.error("no secret: set MACROFLOW_SECRET (the program that listens printed "
                           "it) or give --secret-file")
+    from macroflow.core.errors import LimitError
+    from macroflow.transport.tcp import check_room
+    try:  # (this process forks the n contexts, as context 0 forks contexts it adds)
+        check_room(args.n + 1, adding=True)
+    except LimitError as e:
+        args.parser.error(f"-n {args.n}: {e}")
     return worker_main(args.connect, args.n, secret, tls, bind=args.bind)
 
 
