@@ -793,3 +793,6 @@ def test_an_interrupt_raised_in_a_method_fails_its_call_and_nothing_waits(run, t
         assert first == "ContextLost"
         assert "context 1 was lost" in later
         assert "after KeyboardInterrupt, raised in its user code" in later
+        # its traceback starts at the method: the runtime's frames under it
+        # (ten of them, from the launcher on) said nothing to its author
+        assert "in raise_it" in later and "serve_forever" not in later, later

@@ -515,9 +515,8 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                         print(f"macroflow worker: context {ctx}: the computation's context 0 "
                               f"was lost ({eng.lost[0]}); leaving", file=out, flush=True)
                         code = _LOST_MAIN
-            except BaseException:
-                import traceback
-                text = traceback.format_exc()
+            except BaseException as e:
+                text = _ctx.fatal_text(e)
                 sys.stderr.write(text)
                 if eng is not None:
                     eng.report_fatal(text)

@@ -1050,8 +1050,8 @@ def _child_main(ctx: int, n: int, sock: socket.socket, listener: socket.socket,
                 code = 1
                 return
         eng.serve_forever()
-    except BaseException:
-        text = traceback.format_exc()
+    except BaseException as e:
+        text = _ctx.fatal_text(e)
         sys.stderr.write(text)
         if eng is not None:
             eng.report_fatal(text)

@@ -258,6 +258,28 @@ def _from_user_frames(tb: Any) -> Any:
     return tb
 
 
+def fatal_text(exc: BaseException) -> str:
+    """What a context says, and reports to the others (FATAL), when ``exc``
+    ends its engine: the whole traceback of an internal error, but an
+    interrupt raised in user code from the user's frames (the runtime's
+    frames under a method say nothing to its author).
+
+    Example:
+        >>> try:
+        ...     raise KeyboardInterrupt
+        ... except KeyboardInterrupt as e:
+        ...     fatal_text(e).splitlines()[-1]
+        'KeyboardInterrupt'
+    """
+    tb = exc.__traceback__
+    if isinstance(exc, KeyboardInterrupt):
+        package = os.path.dirname(_CORE_DIR)  # (the launcher's frames too)
+        while tb is not None and tb.tb_next is not None and \
+                tb.tb_frame.f_code.co_filename.startswith(package):
+            tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code, in the exceptions it was raised from too
     # (the sys.exit() that a method's error stands for, say)

@@ -2361,8 +2361,9 @@ def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
                 eng = None  # its init failed: it has said so, and leaves
         if eng is not None:
             eng.serve_forever()
-    except BaseException:
-        text = traceback.format_exc()
+    except BaseException as e:
+        from ..core.context import fatal_text
+        text = fatal_text(e)
         sys.stderr.write(text)
         try:
             if eng is not None:
