@@ -571,6 +571,9 @@ def rtf(value: Any) -> None:
     call = getattr(g, "call", None)
     if call is None:
         raise RuntimeError("mf.rtf() can only be called inside a method of a parallel object")
+    if call.answered:  # (said here: a traceback then ends at the user's call of rtf)
+        raise RuntimeError("mf.rtf() was already called in this method: its caller has the "
+                           "first value")
     g.engine.answer(call, value)
 
 
