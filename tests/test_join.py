@@ -491,6 +491,7 @@ def test_a_worker_without_tls_cannot_join_a_computation_that_speaks_it():
         w = start_worker(s.launcher.address)
         code, err = serve_until_done(w)
         assert code == 1 and "could not join" in err
+        assert "(if the computation uses TLS, give --tls-cert and --tls-key)" in err, err
         assert mf.num_contexts() == 2
         assert Where.create(on=1).here().result()[0] == 1
 
@@ -637,3 +638,13 @@ def test_the_worker_command_checks_the_hosts_limits_before_it_starts():
                        preexec_fn=few_descriptors, capture_output=True, text=True, timeout=50)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "macroflow worker: error: -n 100:" in r.stderr and "RLIMIT_NOFILE" in r.stderr, r.stderr
+
+
+def test_a_certificate_and_key_given_the_wrong_way_round_are_named():
+    # ("[SSL] PEM lib (_ssl.c:3905)" named neither file)
+    from transport_harness import certificate
+    cert, key = certificate()
+    with pytest.raises(ValueError, match=r"cannot use .* as a TLS certificate with .* as its key"):
+        mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(key, cert))
+    with pytest.raises(ValueError, match=r"TLS needs a certificate and its key .*tls=\(cert, key\)"):
+        mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(cert, None))

@@ -69,7 +69,7 @@ def tls_contexts(cert: Optional[str], key: Optional[str]) -> Tuple[Optional[ssl.
         >>> tls_contexts("cert.pem", None)
         Traceback (most recent call last):
         ...
-        ValueError: TLS needs both a certificate and its key (--tls-cert and --tls-key)
+        ValueError: TLS needs a certificate and its key (--tls-cert and --tls-key; tls=(cert, key))
         >>> tls_contexts("no-such-cert.pem", "no-such-key.pem")
         Traceback (most recent call last):
         ...
@@ -78,12 +78,18 @@ def tls_contexts(cert: Optional[str], key: Optional[str]) -> Tuple[Optional[ssl.
     if cert is None and key is None:
         return None, None
     if cert is None or key is None:
-        raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        raise ValueError("TLS needs a certificate and its key (--tls-cert and --tls-key; "
+                         "tls=(cert, key))")
     for what, path in (("certificate", cert), ("key", key)):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"TLS {what} file {path!r} not found")
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(cert, key)
+    try:
+        server.load_cert_chain(cert, key)
+    except ssl.SSLError as e:  # ("[SSL] PEM lib (_ssl.c:3905)" names neither file)
+        raise ValueError(f"cannot use {cert!r} as a TLS certificate with {key!r} as its key: "
+                         f"{e}; both must be PEM, the certificate first and its private key "
+                         f"second") from None
     server.verify_mode = ssl.CERT_REQUIRED
     server.load_verify_locations(cert)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -433,6 +439,8 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
         for s in listeners:
             s.close()
         why = lost[0] if lost else f"no answer within {JOIN_WAIT:g} s"
+        if tls[0] is None and lost:
+            why += " (if the computation uses TLS, give --tls-cert and --tls-key)"
         print(f"macroflow worker: could not join the computation at {connect}: {why}", file=out)
         return 1
     kind, welcome = answer[0]
