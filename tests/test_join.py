@@ -1,6 +1,7 @@
 """Workers that join over TCP (mf.init(listen=...), `macroflow worker`), several
 protocols in one program, and separate hosts made of network namespaces."""
 
+import functools
 import json
 import os
 import signal
@@ -309,6 +310,16 @@ def closed_within(socks, seconds):
     return when
 
 
+def watch_then_end_the_call(watched, fifo, socks):
+    """``closed_within(socks, 20)`` into ``watched["when"]``; then the long
+    call (a Blocks.until_told(fifo)) ends, whatever happened."""
+    try:
+        watched["when"] = closed_within(socks, 20)
+    finally:
+        with open(fifo, "w") as f:
+            f.write("over")
+
+
 @mf.persistent
 class Blocks:
     def until_told(self, fifo):
@@ -328,14 +339,7 @@ def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_wait
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     watched = {}
-
-    def watch(socks):
-        try:
-            watched["when"] = closed_within(socks, 20)
-        finally:
-            with open(fifo, "w") as f:  # the long call ends
-                f.write("over")
-
+    watch = functools.partial(watch_then_end_the_call, watched, fifo)
     with mf.init(contexts=3, listen="127.0.0.1:0", secret=SECRET) as s:
         long_call = Blocks.create(on=2).until_told(fifo)
         doors = [s.launcher.address, dict(mf.contexts()[1].protocols)["tcp"]]
@@ -366,14 +370,7 @@ def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_awai
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)
     watched = {}
-
-    def watch(socks):
-        try:
-            watched["when"] = closed_within(socks, 20)
-        finally:
-            with open(fifo, "w") as f:
-                f.write("over")
-
+    watch = functools.partial(watch_then_end_the_call, watched, fifo)
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         blocks = Blocks.create(on=1)
         stranger = socket.create_connection(tuple(s.launcher.address.rsplit(":", 1)), timeout=10)
