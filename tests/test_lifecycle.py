@@ -796,3 +796,29 @@ def test_an_interrupt_raised_in_a_method_fails_its_call_and_nothing_waits(run, t
         # its traceback starts at the method: the runtime's frames under it
         # (ten of them, from the launcher on) said nothing to its author
         assert "in raise_it" in later and "serve_forever" not in later, later
+
+
+@mf.persistent
+class _ExitsSoon:
+    def value(self):
+        os._exit(7)
+
+
+@mf.persistent
+class _WaitsFor:
+    def waits(self, other):
+        return other.value().result(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_context_that_loses_another_says_how_its_process_ended():
+    # the waiter is a method on context 2, not main: its ContextLost said only
+    # "connection closed" (context 0, the parent, could say more)
+    def main():
+        with pytest.raises(mf.ContextLost) as err:
+            _WaitsFor.create(on=2).waits(_ExitsSoon.create(on=1)).result(30)
+        return str(err.value)
+
+    text = mf.run(main, contexts=3, transport="local")
+    assert re.search(r"context 1 was lost: its process \(pid \d+\) (exited with code 7|has ended)",
+                     text), text

@@ -290,6 +290,31 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
             f"before mf.init or mf.run)"))
 
 
+def _process_fate(pid: int) -> Optional[str]:
+    """How process ``pid`` ended, read from /proc while it is a zombie (its
+    parent, context 0 say, has not reaped it yet); None if it runs, or
+    nothing can be told.
+
+    Example:
+        >>> import subprocess, sys
+        >>> p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        >>> while _process_fate(p.pid) is None: pass
+        >>> _process_fate(p.pid) == f"its process (pid {p.pid}) exited with code 3", p.wait()
+        (True, 3)
+        >>> _process_fate(p.pid) == f"its process (pid {p.pid}) has ended"
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return f"its process (pid {pid}) has ended"
+    if fields[0] != b"Z" or len(fields) < 50:
+        return None  # (the pid of the connection's maker, alive: a socketpair's)
+    from ..launch import describe_status
+    return f"its process (pid {pid}) {describe_status(int(fields[49]))}"  # exit_code, field 52
+
+
 def node_key() -> str:
     """What makes two processes able to use the local path to each other: the
     same host and the same network namespace (abstract sockets are per namespace).
@@ -460,7 +485,7 @@ def _set_async(fd: int, on: bool) -> None:
 class _Conn:
     __slots__ = ("peer", "sock", "fd", "rbuf", "rmv", "rs", "re", "state", "nbufs",
                  "load", "lens", "idx", "bufs", "big", "bigmv", "bigpos", "outq", "closed", "wbuf",
-                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke", "rmax")
+                 "rin", "offered", "rout", "rout_next", "held", "reading", "poke", "rmax", "pid")
 
     def __init__(self, peer: int, sock: socket.socket):
         self.peer = peer
@@ -488,6 +513,7 @@ class _Conn:
         self.rout_next: Optional[_ring.Ring] = None
         self.held: deque = deque()  # socket frames waiting for their MARK in rin
         self.reading = False  # in _ring_read
+        self.pid: Optional[int] = None  # the peer's process, once it offered a ring
         self.poke = False  # frames queued in rout: see if the reader naps at flush()
         self.rmax = 0  # the largest frame that goes in rout (see _switch)
 
@@ -932,6 +958,7 @@ class LocalTransport(Transport):
                 return
             try:
                 c.rout_next = _ring.Ring.open(pid, fd, offset, cap, self.ctx + 1)
+                c.pid = pid  # (how it ended can be told from it, when the connection closes)
                 self.mapped.append(c.rout_next)
             except (OSError, ValueError):
                 pass  # not ours to open (another user, no /proc): the socket alone
@@ -1507,6 +1534,7 @@ class LocalTransport(Transport):
         except (OSError, ValueError):
             pass
         self.byfd.pop(c.fd, None)
+        pid = c.pid if how == "connection closed" else None
         try:
             c.sock.close()
         except OSError:
@@ -1529,6 +1557,8 @@ class LocalTransport(Transport):
             # so nobody waits for it to start listening
             self.mesh.states[peer] = GONE
         if self.lost is not None:
+            if pid is not None:
+                how = _process_fate(pid) or how
             self.lost(peer, how)
 
     def close(self) -> None:
