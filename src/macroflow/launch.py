@@ -520,6 +520,16 @@ class ForkLauncher(Launcher):
             pass
         return True
 
+    def _joined_fate(self, peer: int) -> str:
+        # no process of ours (a worker's context): one of this host can be
+        # read in /proc, while its worker has not reaped it; else the
+        # transport's words ("" here) say what is known
+        info = self.engine.joined.get(peer) if self.engine is not None else None
+        if info is None or info[0].node != node_name() or not info[0].pid:
+            return ""
+        from .transport.local import _process_fate
+        return _process_fate(info[0].pid) or ""
+
     def describe_lost(self, peer: int) -> str:
         pid = self.pids.get(peer)
         if pid is None:
@@ -529,7 +539,7 @@ class ForkLauncher(Launcher):
                 if status is None:
                     return f"connection closed (pid {pid} still running)"
                 return f"its process (pid {pid}) {describe_status(status)}"
-            return "connection closed"
+            return self._joined_fate(peer)
         deadline = time.monotonic() + 1.0
         while True:  # the socket closes an instant before the process can be reaped
             try:
