@@ -1,5 +1,6 @@
 """Nexus substrate: global pointers and remote service requests."""
 
+import os
 import pickle
 import time
 
@@ -728,3 +729,39 @@ def test_requests_sent_just_before_main_returns_run_before_the_contexts_stop(run
     run(main, contexts=2)
     with open(path) as f:
         assert sorted(f.read().split()) == ["one", "self"]
+
+
+@mf.persistent
+class _SendsToZero:
+    def fire(self, g0, zero, path, flag):
+        mf.rsr(g0, _note_in, path, "request")
+        zero.note(path, "call")
+        with open(flag, "w") as f:  # after both were sent: main may return
+            f.write("sent")
+
+
+@mf.persistent
+class _NotesOnZero:
+    def note(self, path, tag):
+        _note_in(None, path, tag)
+
+
+@pytest.mark.timeout(60)
+def test_what_another_context_sent_context_0_before_main_returns_is_served(run, transport,
+                                                                            tmp_path):
+    # a request and a call from context 1 that arrived while main computed
+    # were dropped unsaid at the end: only what context 0 had read was served
+    path, flag = str(tmp_path / "ran"), str(tmp_path / "flag")
+
+    def main():
+        zero = _NotesOnZero.create(on=0)
+        _SendsToZero.create(on=1).fire(mf.export({}), zero, path, flag)
+        if transport == "inproc":
+            return  # (nothing runs beside main there: the end serves it all)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            pass  # main computes: nothing is read meanwhile
+
+    run(main, contexts=2)
+    with open(path) as f:
+        assert sorted(f.read().split()) == ["call", "request"]

@@ -260,6 +260,10 @@ class Session:
         deadline = time.monotonic() + grace
         driver = eng.driver
         if driver is eng:
+            # what came while main computed (or slept) is read first: the
+            # inbox holds only what a wait or a poll read
+            for _ in range(3):  # (MPI may show a message only at a second look)
+                eng.transport.poll(0)
             eng.run_until(lambda: not (eng.inbox or eng.ready), deadline)
         else:
             driver.run_until(lambda: not driver.pending(), deadline)
