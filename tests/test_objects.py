@@ -1638,3 +1638,60 @@ def test_a_regular_class_may_derive_from_a_regular_class(run):
 
     assert run(main, contexts=2) == ("derived:_RegularDerived", "derived:_RegularDerived", "base",
                                      "derived:_RegularUndecorated", "own __new__", "own __new__")
+
+
+@mf.regular
+class _Table:
+    def __init__(self, table):
+        self.table = table
+
+    def first(self):
+        return float(self.table[0])
+
+
+@pytest.mark.timeout(60)
+def test_regular_instances_made_with_other_arrays_are_not_reused(run):
+    # the idle-instance pool was keyed by the pickle without its out-of-band
+    # buffers: arrays of 32 KiB or more of one shape and dtype looked alike,
+    # and a handle's calls ran on an instance built with another's array
+    import numpy as np
+
+    def main():
+        zeros, ones = _Table(np.zeros(100_000)), _Table(np.ones(100_000))
+        pinned = [_Table.create(np.full(5000, float(v)), on=1) for v in (2, 3)]
+        return ([zeros.first().result(30), ones.first().result(30), zeros.first().result(30)],
+                [h.first().result(30) for h in pinned])
+
+    assert run(main, contexts=2) == ([0.0, 1.0, 0.0], [2.0, 3.0])
+
+
+@pytest.mark.timeout(60)
+def test_idle_regular_instances_are_kept_for_a_bounded_number_of_argument_sets(run):
+    # one handle per parameter (a sweep) kept an idle instance of each for good
+    from macroflow.objects.hosting import REGULAR_POOL_KEYS
+
+    def main():
+        mf.gather([_Table.create([p], on=1).first() for p in range(REGULAR_POOL_KEYS + 40)])
+        return mf.remote_action(1, _pooled_sets).wait(30)
+
+    assert run(main, contexts=2) == REGULAR_POOL_KEYS
+
+
+def _pooled_sets():
+    from macroflow.core.context import current_engine
+    return len(current_engine().models["objects"].regular_pool)
+
+
+def test_a_future_among_a_regular_objects_constructor_arguments_is_refused(run):
+    # it reached the constructor as a Future, and every call failed there
+    def main():
+        f = Math().square(3)
+        out = []
+        for make in (lambda: _Table(f), lambda: _Table.create([f], on=1),
+                     lambda: _Table(table={"x": f})):
+            with pytest.raises(mf.CallError, match=r"_Table\(\): argument .* is or holds a future"):
+                make()
+            out.append("refused")
+        return out, f.result(30)
+
+    assert run(main, contexts=2) == (["refused"] * 3, 9)

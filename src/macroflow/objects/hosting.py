@@ -23,7 +23,10 @@ again afterwards.
 from __future__ import annotations
 
 import bisect
+import collections
+import hashlib
 import heapq
+import pickle
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -120,7 +123,9 @@ class ObjectHost(Model):
         # failed: ("broken", label, the error))
         self.tombstones: Dict[Any, Any] = {}
         self.orphans: Dict[Any, str] = {}  # objects of removed contexts: their labels
-        self.regular_pool: Dict[Any, List[Any]] = {}
+        # idle regular instances by class and constructor arguments, the
+        # least recently used set of arguments first (see REGULAR_POOL_KEYS)
+        self.regular_pool: "collections.OrderedDict[Any, List[Any]]" = collections.OrderedDict()
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
 
@@ -657,8 +662,11 @@ class RegularCalls(_HostedKind):
         g = getcurrent()
         g.call = call
         cls, cargs, ckw = call.target
-        key = (cls, marshal.dumps((cargs, ckw))[0]) if (cargs or ckw) else cls
-        free = self.host.regular_pool.get(key)
+        key = _pool_key(cls, cargs, ckw)
+        pool = self.host.regular_pool
+        free = pool.get(key)
+        if free is not None:
+            pool.move_to_end(key)
         inst = free.pop() if free else None
         if inst is None:
             try:
@@ -673,7 +681,43 @@ class RegularCalls(_HostedKind):
         try:
             eng._invoke(getattr(inst, call.method, None), call)
         finally:
-            self.host.regular_pool.setdefault(key, []).append(inst)
+            free = pool.get(key)
+            if free is None:
+                free = pool[key] = []
+                if len(pool) > REGULAR_POOL_KEYS:
+                    pool.popitem(last=False)  # the instances of the least used arguments go
+            free.append(inst)
+
+
+#: sets of constructor arguments (per class) whose idle regular instances a
+#: context keeps: a sweep of handles made each with other arguments would
+#: otherwise keep an instance of each for good
+REGULAR_POOL_KEYS = 64
+
+
+def _pool_key(cls: type, cargs: tuple, ckw: dict) -> Any:
+    """What makes two regular instances interchangeable: their class and
+    constructor arguments, arrays' contents included (the pickle alone
+    leaves out-of-band buffers out: arrays of one shape looked alike).
+
+    Example:
+        >>> import numpy as np
+        >>> a, b = _pool_key(int, (np.zeros(8192),), {}), _pool_key(int, (np.ones(8192),), {})
+        >>> a == b, a == _pool_key(int, (np.zeros(8192),), {}), _pool_key(int, (), {}) is int
+        (False, True, True)
+    """
+    if not (cargs or ckw):
+        return cls
+    data, bufs = marshal.dumps((cargs, ckw))
+    if not bufs:
+        return (cls, data)
+    digest = hashlib.blake2b(digest_size=16)
+    for b in bufs:
+        try:
+            digest.update(b.raw() if isinstance(b, pickle.PickleBuffer) else b)
+        except BufferError:  # (not contiguous: its bytes, copied)
+            digest.update(memoryview(b).tobytes())
+    return (cls, data, digest.digest())
 
 
 def _enqueue(obj: HostedObject, call: Call) -> bool:

@@ -323,6 +323,7 @@ def _create_persistent(cls: type, *args: Any, on: Optional[int] = None, **kwargs
 def _create_regular(cls: type, *args: Any, on: Optional[int] = None, **kwargs: Any) -> RegularHandle:
     eng = current_engine()
     constructor_info(cls).check(args, kwargs)
+    _refuse_futures(cls, args, kwargs)
     return RegularHandle(cls, args, kwargs, None if on is None else _check_on(eng, on), eng.computation)
 
 
@@ -409,7 +410,23 @@ def persistent(cls: T) -> T:
 
 def _regular_new(klass: type, *args: Any, **kwargs: Any) -> RegularHandle:
     constructor_info(klass).check(args, kwargs)
+    _refuse_futures(klass, args, kwargs)
     return RegularHandle(klass, args, kwargs, None, running_computation())
+
+
+def _refuse_futures(cls: type, args: tuple, kwargs: dict) -> None:
+    # A regular handle's constructor arguments travel with each of its calls
+    # as they are: a future among them reached the constructor as a Future,
+    # not its value, and every call failed far from here
+    from ..core.errors import CallError
+    for where, x in [*enumerate(args), *kwargs.items()]:
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else (x,)
+        if any(isinstance(i, Future) for i in items):
+            what = f"argument {where}" if isinstance(where, int) else f"argument {where}="
+            raise CallError(f"{cls.__qualname__}(): {what} is or holds a future; a regular "
+                            f"object's constructor arguments travel with each call as values, "
+                            f"not as dataflow arcs: pass its value (f.result()), or pass the "
+                            f"future to the method instead")
 
 
 def _instance_new(cls: type) -> Callable[..., Any]:
