@@ -384,6 +384,7 @@ def test_mpiexec_with_the_wrong_number_of_contexts_is_a_clear_error(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_an_uncaught_error_in_main_ends_every_rank_printed_once(tmp_path):
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
     code, out, err = _mpiexec(tmp_path, 3, """
         import macroflow as mf
 
@@ -402,6 +403,9 @@ def test_an_uncaught_error_in_main_ends_every_rank_printed_once(tmp_path):
     assert "never" not in out
     assert err.count("ValueError: boom on a rank") == 2  # the remote traceback and main's, once
     assert err.count("Traceback (most recent call last)") == 2
+    # the job's MPICH shared-memory file is unlinked before MPI_Abort: each
+    # aborted job left one (2 MB) in /dev/shm
+    assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before - _mapped_shm()
 
 
 @pytest.mark.timeout(120)

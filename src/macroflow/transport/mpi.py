@@ -500,6 +500,33 @@ def _exit_status(pid: int) -> Optional[int]:
         return None
 
 
+def _abort(comm: Any) -> None:  # pragma: no cover - ends the job
+    """``comm.Abort(1)``, after unlinking the MPICH shared-memory files this
+    process maps: an aborted job never unlinks them, and each left 2 MB in
+    /dev/shm (unlinked, a file is freed once the last rank has gone)."""
+    for path in _mapped_mpich_files():
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    comm.Abort(1)
+
+
+def _mapped_mpich_files() -> Set[str]:
+    """The MPICH shared-memory files this process has mapped.
+
+    Example:
+        >>> all(p.startswith("/dev/shm/mpich_shm_") for p in _mapped_mpich_files())
+        True
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f
+                    if "/dev/shm/mpich_shm_" in line and len(line.split(None, 5)) == 6}
+    except OSError:
+        return set()
+
+
 def mpich_shm_files() -> Set[str]:
     """MPICH's shared-memory files in /dev/shm now.
 
@@ -2369,7 +2396,7 @@ def _serve_on(transport: "MpiTransport", setup: Dict[str, Any],
             if eng is not None:
                 eng.report_fatal(text)
         except Exception:
-            transport.comm.Abort(1)  # nobody can be told: end the job rather than leave it hanging
+            _abort(transport.comm)  # nobody can be told: end the job rather than leave it hanging
     try:
         transport.close()
     except Exception:
@@ -2457,7 +2484,7 @@ def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int
         # mpiexec forwards our output through a pipe it stops reading when the
         # job is aborted: give it a moment to pass the report on whole
         time.sleep(0.2)
-        _MPI.COMM_WORLD.Abort(1)
+        _abort(_MPI.COMM_WORLD)
 
 
 def note_job_error(rank: int) -> None:
@@ -2715,7 +2742,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                                      wake=(s.computation, names), window=window, rings=rings)
         except BaseException:
             if not self.spawned:
-                comm.Abort(1)  # the other ranks wait for a setup that will never come
+                _abort(comm)  # the other ranks wait for a setup that will never come
             raise
         eng = Engine(0, s.size, transport, placement, computation=s.computation)
         self.engine = eng
@@ -2900,7 +2927,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         names = ", ".join(f"{p} (pid {self.hosts.get(p, ('?', 0))[1]})" for p in still)
         print(f"macroflow: contexts {names} did not stop; ending the MPI job (MPI_Abort), "
               f"this process included", file=sys.stderr, flush=True)
-        t.comm.Abort(1)
+        _abort(t.comm)
 
 
 def _local(host: str) -> bool:
