@@ -1220,3 +1220,24 @@ def test_a_context_added_under_mpiexec_runs_an_init_of_the_script(tmp_path):
     rc, out, err = _mpiexec(tmp_path, 2, ADDED_UNDER_MPIEXEC)
     assert rc == 0, err[-2000:]
     assert out.strip() == "([2], '2')", err[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source, says, options", [
+    ("import no_such_module_here\ndef main():\n    pass\n",
+     "ModuleNotFoundError: No module named 'no_such_module_here'", []),
+    ("def main(a, b):\n    return a\n", "macroflow run: mf.run(): main(a, b) cannot be called", []),
+    ("def main(a, b):\n    return a\n", "macroflow run: mf.spmd(): main(a, b) cannot be called",
+     ["--spmd"]),
+])
+def test_a_fault_of_the_script_under_macroflow_run_mpi_is_said_once(tmp_path, source, says,
+                                                                     options):
+    # found as each rank loads the script: every rank said it (three
+    # tracebacks for -n 3); with --spmd it named mf.run()
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "3", *options,
+                          "--transport", "mpi", str(script)], capture_output=True, text=True,
+                         timeout=100, env=_env())
+    assert out.returncode != 0
+    assert out.stderr.count(says) == 1, out.stderr

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 
 def script_problem(path: str) -> Optional[str]:
@@ -139,23 +139,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb)
-        return 1
+        exc = e
+        return _script_fault(lambda: traceback.print_exception(type(exc), exc, tb))
     finally:
         launch.loading_script = None
     main = getattr(mod, args.main, None)
+    problem = None
     if main is None:
-        raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
-    if not callable(main):
-        raise SystemExit(f"macroflow run: {args.script} defines {type(main).__name__} "
-                         f"{args.main!r}, not a function")
-    if isinstance(main, type):  # (callable, but run it would only make an instance)
-        raise SystemExit(f"macroflow run: {args.script} defines class {args.main}, not a "
-                         f"function: --main names the function to run")
-    try:
-        launch._check_main(main, (), {})
-    except TypeError as e:
-        raise SystemExit(f"macroflow run: {e}")
+        problem = f"{args.script} defines no function {args.main}()"
+    elif not callable(main):
+        problem = f"{args.script} defines {type(main).__name__} {args.main!r}, not a function"
+    elif isinstance(main, type):  # (callable, but run it would only make an instance)
+        problem = (f"{args.script} defines class {args.main}, not a function: --main names "
+                   f"the function to run")
+    else:
+        try:
+            launch._check_main(main, (), {}, "mf.spmd()" if args.spmd else "mf.run()")
+        except TypeError as e:
+            problem = str(e)
+    if problem is not None:
+        return _script_fault(lambda: print(f"macroflow run: {problem}", file=sys.stderr))
     try:
         if args.spmd:
             if args.placement:
@@ -174,6 +177,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if result is not None:
         print(result)
     return 0
+
+
+def _script_fault(say: Callable[[], None]) -> int:
+    """Say what is wrong with the script (``say()``) and return the exit
+    code. Under mpiexec every rank finds the same fault: as the MPI
+    excepthook does, MPI is started, rank 0 says it and ends the job, and
+    the others wait before they would speak (a rank alone in its fault still
+    does; and nobody is left waiting in MPI's start for a rank that ended)."""
+    from macroflow.transport.mpi import excepthook, world_from_environment
+    world = world_from_environment()
+    if world is not None and world[1] > 1:
+        excepthook(Exception, Exception(), None, previous=lambda *_: say())
+    else:
+        say()
+    return 1
 
 
 def _print_from_script(e: BaseException) -> None:

@@ -1378,7 +1378,7 @@ def _run_async_main(coro: Any) -> Any:
 _RUN_OPTIONS = ("contexts", "transport", "placement", "spin_us", "listen", "secret", "tls")
 
 
-def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
+def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any], who: str = "mf.run()") -> None:
     """Refuse a main that is not callable, or that cannot take the arguments
     given, before any context starts (a misspelt option, ``context=4``, is
     one of those arguments).
@@ -1393,7 +1393,7 @@ def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
     import difflib
     import inspect
     if not callable(main):
-        raise TypeError(f"mf.run(): main must be callable (a function); got "
+        raise TypeError(f"{who}: main must be callable (a function); got "
                         f"{type(main).__name__}")
     try:
         # (the wrapper's own: a decorator may supply main's arguments)
@@ -1411,7 +1411,7 @@ def _check_main(main: Any, args: tuple, kwargs: Dict[str, Any]) -> None:
                 hint = f"; did you mean {close[0]}=?"
                 break
         name = getattr(main, "__name__", "main")
-        raise TypeError(f"mf.run(): {name}{sig} cannot be called with "
+        raise TypeError(f"{who}: {name}{sig} cannot be called with "
                         f"{', '.join(given) or 'no arguments'} ({e}){hint}") from None
 
 

@@ -290,29 +290,35 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
             f"before mf.init or mf.run)"))
 
 
-def _process_fate(pid: int) -> Optional[str]:
+def _process_fate(pid: int, wait: float = 0.1) -> Optional[str]:
     """How process ``pid`` ended, read from /proc while it is a zombie (its
-    parent, context 0 say, has not reaped it yet); None if it runs, or
-    nothing can be told.
+    parent, context 0 say, has not reaped it yet); None if it still runs
+    after ``wait`` seconds.
 
     Example:
         >>> import subprocess, sys
         >>> p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-        >>> while _process_fate(p.pid) is None: pass
+        >>> while _process_fate(p.pid, wait=0) is None: pass
         >>> _process_fate(p.pid) == f"its process (pid {p.pid}) exited with code 3", p.wait()
         (True, 3)
         >>> _process_fate(p.pid) == f"its process (pid {p.pid}) has ended"
         True
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return f"its process (pid {pid}) has ended"
-    if fields[0] != b"Z" or len(fields) < 50:
-        return None  # (the pid of the connection's maker, alive: a socketpair's)
     from ..launch import describe_status
-    return f"its process (pid {pid}) {describe_status(int(fields[49]))}"  # exit_code, field 52
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            return f"its process (pid {pid}) has ended"
+        if fields[0] == b"Z" and len(fields) >= 50:
+            return f"its process (pid {pid}) {describe_status(int(fields[49]))}"  # exit_code
+        # a process closes its files before it is a zombie: its connection
+        # may read as closed a moment before /proc says how it ended
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.001)
 
 
 def node_key() -> str:
@@ -370,6 +376,9 @@ class Mesh:
         self.secret = secret if secret is not None else os.urandom(16)
         # room for contexts added while running; pages never touched cost nothing
         self.states = mmap.mmap(-1, max(size, MESH_CAPACITY))
+        # each context's process id, written as it starts listening: how a
+        # context that ended went can be told by the others from /proc
+        self.pids = mmap.mmap(-1, 4 * max(size, MESH_CAPACITY))
 
     def address(self, ctx: int) -> bytes:
         return f"\0macroflow-{self.computation}-{ctx}".encode()
@@ -386,6 +395,27 @@ class Mesh:
         s.setblocking(False)
         self.states[ctx] = LISTENING
         return s
+
+    def note_pid(self, ctx: int) -> None:
+        """This process is context ``ctx``'s (its listener is made before
+        the fork, by its parent: the context says so itself)."""
+        if 0 <= ctx < len(self.pids) // 4:
+            struct.pack_into("<i", self.pids, 4 * ctx, os.getpid())
+
+    def pid(self, ctx: int) -> Optional[int]:
+        """Context ``ctx``'s process id, once it has noted it; else None.
+
+        Example:
+            >>> m = Mesh("c0ffee01", 2)
+            >>> m.pid(1) is None
+            True
+            >>> m.note_pid(1)
+            >>> m.pid(1) == os.getpid()
+            True
+        """
+        if not 0 <= ctx < len(self.pids) // 4:
+            return None
+        return struct.unpack_from("<i", self.pids, 4 * ctx)[0] or None
 
     def hello(self, ctx: int) -> bytes:
         return _HELLO.pack(_MAGIC, ctx, self.secret)
@@ -575,6 +605,8 @@ class LocalTransport(Transport):
         self.draining = False  # in _drain: finishing a frame of our own
         self.mesh = mesh
         self.listener = listener
+        if mesh is not None and ctx > 0:
+            mesh.note_pid(ctx)
         self.lfd = -1
         self.signalling = False  # SIGIO on arrivals: see signal_arrivals
         try:
@@ -1534,7 +1566,10 @@ class LocalTransport(Transport):
         except (OSError, ValueError):
             pass
         self.byfd.pop(c.fd, None)
-        pid = c.pid if how == "connection closed" else None
+        pid = None
+        if how == "connection closed":
+            pid = c.pid or (self.mesh.pid(c.peer) if self.mesh is not None and c.peer > 0
+                            else None)
         try:
             c.sock.close()
         except OSError:
