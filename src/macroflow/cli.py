@@ -509,7 +509,16 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from macroflow.bench import main as bench_main
-    return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
+    try:
+        return bench_main(args.suite, json_path=args.json, quick=args.quick, peers=args.peers)
+    except KeyboardInterrupt:
+        # (its processes are ended by then: each measurement reaps its own;
+        # a second Ctrl-C, from a terminal pressed twice, is not to cut this)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(f"macroflow bench: interrupted (Ctrl-C); "
+              f"{'nothing was written to ' + args.json if args.json else 'no table was printed'}",
+              file=sys.stderr)
+        return 130
 
 
 def _check_bind(host: str) -> None:

@@ -17,6 +17,7 @@ children are asked to stop, then killed, and they also die with their parent
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import ctypes
 import errno
@@ -245,8 +246,14 @@ class Session:
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is None:
             self._drain(2.0)
-        # after Ctrl-C, waiting long for contexts that compute helps nobody
-        self.close(grace=0.2 if exc_type is KeyboardInterrupt else 2.0)
+        if exc_type is KeyboardInterrupt:
+            # after Ctrl-C, waiting long for contexts that compute helps
+            # nobody; and a second Ctrl-C (a key pressed twice) is not to cut
+            # the teardown short, with a traceback from its middle
+            with _sigint_ignored():
+                self.close(grace=0.2)
+        else:
+            self.close(grace=2.0)
 
     def _drain(self, grace: float) -> None:
         """The program ended in order: what context 0 sent itself (remote
@@ -267,6 +274,25 @@ class Session:
             eng.run_until(lambda: not (eng.inbox or eng.ready), deadline)
         else:
             driver.run_until(lambda: not driver.pending(), deadline)
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Any:
+    """SIGINT ignored meanwhile (in the main thread; elsewhere nothing changes).
+
+    Example:
+        >>> with _sigint_ignored():
+        ...     signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        True
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Launcher:

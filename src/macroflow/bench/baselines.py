@@ -59,6 +59,8 @@ def _forked(child_fn):
             _die_with_parent(ppid)
             child_fn(csock)
             code = 0
+        except KeyboardInterrupt:
+            code = 130  # (Ctrl-C at the terminal: the parent says so, once)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -71,6 +73,8 @@ def _forked(child_fn):
         psock.close()
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
         # EOF from a dead child is only a symptom; surface the child's failure.
         if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0:
             raise RuntimeError(f"baseline child exited with {os.WEXITSTATUS(status)}") from exc
