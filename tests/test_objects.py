@@ -1695,3 +1695,17 @@ def test_a_future_among_a_regular_objects_constructor_arguments_is_refused(run):
         return out, f.result(30)
 
     assert run(main, contexts=2) == (["refused"] * 3, 9)
+
+
+def test_an_unpicklable_constructor_argument_of_a_regular_object_is_named(run):
+    # (it was blamed on the method's arguments, which were fine)
+    import threading
+
+    def main():
+        with pytest.raises(mf.CallError, match=r"cannot send the constructor arguments of "
+                                               r"_Table\(\) \(they go with each of its calls: "
+                                               r"_Table.first here\): TypeError: cannot pickle"):
+            _Table(threading.Lock()).first()
+        return "refused"
+
+    assert run(main, contexts=2) == "refused"

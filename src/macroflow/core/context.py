@@ -584,9 +584,14 @@ class Engine:
         except errors.StaleReference:
             raise  # a future of another computation inside the arguments: as it is
         except Exception as e:  # a __reduce__ may raise anything
-            raise errors.CallError(
-                f"cannot send the arguments of {site_label(site) or method}: "
-                f"{type(e).__name__}: {e}") from e
+            what = f"the arguments of {site_label(site) or method}"
+            if type(target) is tuple and len(target) == 3 and isinstance(target[0], type):
+                try:  # (a stateless object's constructor arguments go with each call)
+                    _encode(target)
+                except Exception:
+                    what = (f"the constructor arguments of {target[0].__qualname__}() (they go "
+                            f"with each of its calls: {site_label(site) or method} here)")
+            raise errors.CallError(f"cannot send {what}: {type(e).__name__}: {e}") from e
         if dest in self.heirs and oid is None and getattr(self.call_kinds.get(kind), "moves",
                                                            False):
             # a call that may run anywhere (a stateless object's, pinned to a
