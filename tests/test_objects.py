@@ -1709,3 +1709,21 @@ def test_an_unpicklable_constructor_argument_of_a_regular_object_is_named(run):
         return "refused"
 
     assert run(main, contexts=2) == "refused"
+
+
+@mf.regular
+class _Divides:
+    def by(self, x):
+        return 1 / x
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: Python 3.11 on")
+def test_gather_says_which_item_failed_in_a_note(run):
+    # (a sweep's failure said nothing of which parameter it was)
+    def main():
+        with pytest.raises(ZeroDivisionError) as err:
+            mf.gather([_Divides().by(x) for x in (1, 2, 0, 3)])
+        return err.value.__notes__
+
+    (note,) = run(main, contexts=2)
+    assert note.startswith("(mf.gather: item 2 of 4, <Future _Divides.by"), note

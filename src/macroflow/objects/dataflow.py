@@ -130,7 +130,7 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
         if isinstance(f, Future):
             eng.request_value(f)
     out = []
-    for f in items:
+    for i, f in enumerate(items):
         if isinstance(f, Future):
             try:
                 out.append(f.result(_left(deadline)))
@@ -140,6 +140,13 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
                 # the time left of gather's own timeout, not that, is in result()'s message
                 raise errors.TimeoutError(
                     f"{f!r} not ready after {timeout:g} s (mf.gather's timeout)") from None
+            except Exception as e:
+                # which of many calls failed (a sweep's parameter): said in a
+                # note, the exception itself unchanged (Python 3.11 on)
+                note = f"(mf.gather: item {i} of {len(items)}, {f!r})"
+                if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
+                    e.add_note(note)
+                raise
         else:
             out.append(f)
     return out
