@@ -867,19 +867,17 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
     done = eng.driver.run_until(
         lambda: all(c in eng.joined or (c in eng.lost and not eng.inbox) for c in ids), deadline)
     late = [] if done else [c for c in ids if c not in eng.joined and c not in eng.lost]
+    reported = [c for c in ids if c not in late]
     stopped = [c for c in late if s.launcher.stop_added(c)]
     for c in late:
         # no work goes to a context whose init has not returned (it would
         # wait behind it, for ever if init never returns): it counts as
         # lost, here and, once it is stopped, wherever it is sought
-        how = (f"it did not report in within {timeout} s of mf.add_contexts (its init had "
-               f"not returned)" + ("; it was stopped" if c in stopped else ""))
-        if c not in eng.lost:  # (as peer_lost, without asking the launcher how it went)
-            eng.lost[c] = how
-            eng.stats.contexts_lost += 1
-            eng.lost_queue.append(c)
+        eng.peer_lost(c, f"it did not report in within {timeout} s of mf.add_contexts (its "
+                         f"init had not returned)" + ("; it was stopped" if c in stopped else ""),
+                      describe=False)  # (the launcher would say only that it was killed)
     # every context may place work on the new ones now (those that reported in)
-    members = max([c for c in ids if c not in late], default=ids[0] - 1) + 1 if late else eng.size
+    members = (reported[-1] + 1 if reported else ids[0]) if late else eng.size
     for c in eng.context_ids():
         if c != eng.id:
             try:
@@ -895,9 +893,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             + ("they were stopped" if not still else
                f"contexts {still} cannot be stopped on {s.transport_name} and end with the "
                f"computation")
-            + "; no work is placed on them" + (
-                f" (contexts {[c for c in ids if c not in late]} reported in and are used)"
-                if len(late) < len(ids) else ""))
+            + "; no work is placed on them"
+            + (f" (contexts {reported} reported in and are used)" if reported else ""))
     for c in ids:
         if c not in eng.joined:
             raise errors.ContextLost(c, eng.lost[c])

@@ -249,11 +249,12 @@ def handler_label(fn: Any) -> str:
     return f"a {type(fn).__qualname__} instance"
 
 
-def _from_user_frames(tb: Any) -> Any:
-    """``tb`` from the first frame that is not the runtime's (its last frame
-    at least): the runtime frames that called the user's code say nothing."""
+def _from_user_frames(tb: Any, runtime: Callable[[str], bool] = _runtime_file) -> Any:
+    """``tb`` from the first frame that is not the runtime's (``runtime`` of
+    its file name; its last frame at least): the runtime frames that called
+    the user's code say nothing."""
     while tb is not None and tb.tb_next is not None and \
-            _runtime_file(tb.tb_frame.f_code.co_filename):
+            runtime(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
 
@@ -274,9 +275,7 @@ def fatal_text(exc: BaseException) -> str:
     tb = exc.__traceback__
     if isinstance(exc, KeyboardInterrupt):
         package = os.path.dirname(_CORE_DIR)  # (the launcher's frames too)
-        while tb is not None and tb.tb_next is not None and \
-                tb.tb_frame.f_code.co_filename.startswith(package):
-            tb = tb.tb_next
+        tb = _from_user_frames(tb, lambda name: name.startswith(package))
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
@@ -1345,9 +1344,7 @@ class Engine:
         """Give ``call`` its result now (return-to-future); the method goes on."""
         if self.user and self.serving != _get_ident():
             return self._from_user(self.answer, call, value)
-        if call.answered:
-            raise RuntimeError("rtf() was already called in this method")
-        self._finish(call, True, value, keep_running=True)
+        self._finish(call, True, value, keep_running=True)  # (mf.rtf refuses a second)
 
     def _finish(self, call: Call, ok: bool, value: Any, keep_running: bool = False) -> None:
         slot = self.slots.get(call.fid)
@@ -2171,10 +2168,13 @@ class Engine:
         entry[2].wake(err)
 
     # ------------------------------------------------------------------ lost peers
-    def peer_lost(self, peer: int, how: str) -> None:
+    def peer_lost(self, peer: int, how: str, describe: bool = True) -> None:
+        """``peer`` is lost, ``how`` (``describe``: unless the launcher can say
+        better: a process's fate)."""
         if peer in self.lost or self.stopping:
             return
-        how = self.describe_lost(peer) or how
+        if describe:
+            how = self.describe_lost(peer) or how
         if peer in self.fatal:
             how = f"{how} {_after_fatal(self.fatal[peer])}"
         self.lost[peer] = how

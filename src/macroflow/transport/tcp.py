@@ -753,18 +753,14 @@ class TcpTransport(LocalTransport):
     def _expire(self) -> Optional[float]:
         """Close the handshakes that stalled; seconds until the next may stall."""
         now = time.monotonic()
-        soonest: Optional[float] = None
         for e in list(self.shaking.values()):
             if e.deadline <= now:
                 self._step(e)  # what came last may still be there to read
                 if self.shaking.get(e.fd) is e and e.deadline <= now:
                     self._fail(e, _Refused(f"it stalled in the handshake for more than "
                                            f"{self._stall_limit(e):g} s"))
-                    continue
-            if self.shaking.get(e.fd) is e and e.deadline < math.inf:
-                left = e.deadline - now
-                soonest = left if soonest is None else min(soonest, left)
-        return soonest
+        due = self.next_due()
+        return None if due is None else due - now
 
     def next_due(self) -> Optional[float]:
         """When (``time.monotonic``) the next handshake under way may stall:
