@@ -323,6 +323,17 @@ def watch_then_end_the_call(watched, fifo, socks):
             f.write("over")
 
 
+def stranger_watch(monkeypatch, tmp_path):
+    """Handshakes that stall after 1 s; a fifo a Blocks.until_told call
+    waits on; and the watch (call it with the strangers' sockets) that
+    fills ``watched["when"]`` and then ends that call."""
+    short_handshakes(monkeypatch, 1.0)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    watched = {}
+    return fifo, watched, functools.partial(watch_then_end_the_call, watched, fifo)
+
+
 @mf.persistent
 class Blocks:
     def until_told(self, fifo):
@@ -338,11 +349,7 @@ def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_wait
     # only when something else woke the context, here never.
     import socket
     import threading
-    short_handshakes(monkeypatch, 1.0)
-    fifo = str(tmp_path / "fifo")
-    os.mkfifo(fifo)
-    watched = {}
-    watch = functools.partial(watch_then_end_the_call, watched, fifo)
+    fifo, watched, watch = stranger_watch(monkeypatch, tmp_path)
     with mf.init(contexts=3, listen="127.0.0.1:0", secret=SECRET) as s:
         long_call = Blocks.create(on=2).until_told(fifo)
         doors = [s.launcher.address, dict(mf.contexts()[1].protocols)["tcp"]]
@@ -369,11 +376,7 @@ def test_a_silent_stranger_is_closed_after_the_handshake_timeout_while_main_awai
     import asyncio
     import socket
     import threading
-    short_handshakes(monkeypatch, 1.0)
-    fifo = str(tmp_path / "fifo")
-    os.mkfifo(fifo)
-    watched = {}
-    watch = functools.partial(watch_then_end_the_call, watched, fifo)
+    fifo, watched, watch = stranger_watch(monkeypatch, tmp_path)
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         blocks = Blocks.create(on=1)
         stranger = socket.create_connection(tuple(s.launcher.address.rsplit(":", 1)), timeout=10)
