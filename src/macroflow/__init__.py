@@ -41,6 +41,10 @@ from .launch import wait_contexts as wait_contexts
 from .launch import init as init
 from .launch import run as run
 from .launch import shutdown as shutdown
+from .objects.dataflow import ALL_COMPLETED as ALL_COMPLETED
+from .objects.dataflow import FIRST_COMPLETED as FIRST_COMPLETED
+from .objects.dataflow import FIRST_EXCEPTION as FIRST_EXCEPTION
+from .objects.dataflow import as_completed as as_completed
 from .objects.dataflow import context_id as context_id
 from .objects.dataflow import gather as gather
 from .objects.dataflow import num_contexts as num_contexts

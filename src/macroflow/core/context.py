@@ -96,7 +96,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import errors, marshal
-from .future import FINISHED, PENDING, CoroutineType, Future, run_coroutine, site_label, stale_future
+from .future import FINISHED, PENDING, Arrivals, CoroutineType, Future, run_coroutine, site_label, stale_future
 from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
 from .stats import Counters
 
@@ -881,6 +881,64 @@ class Engine:
         if came and came[0] > due:
             raise errors.TimeoutError(f"{f!r} not ready after {timeout} s (it came "
                                       f"{came[0] - due:.3g} s after that)")
+
+    def wait_arrival(self, arrivals: "Arrivals", timeout: Optional[float],
+                     fs: Any = ()) -> bool:
+        """Wait until ``arrivals`` (a callback of the futures ``fs``) has seen
+        one of them finish here, or ``timeout`` seconds pass; True if one has.
+
+        What ``mf.wait(return_when=...)`` and ``mf.as_completed`` wait with.
+        A method that waits only for calls that can never start (to its own
+        object) is refused, as ``result()`` refuses one; the engine's probes
+        for wait cycles between contexts follow waits for one future only.
+        """
+        if self.user and self.serving != _get_ident():
+            return self._from_user(self.wait_arrival, arrivals, timeout, fs)
+        if arrivals.queue:
+            return True
+        if self.in_inline:
+            raise errors.DeadlockError(
+                "a remote service request handler run inline or at once cannot wait; "
+                "use thread='new'")
+        if self.in_guard is not None:
+            self.guard_waits("for futures")
+        w = getcurrent()
+        if isinstance(w, Worker):
+            eng = w.engine
+            call = w.call
+            if call is not None and fs:
+                kind = eng.call_kinds[call.kind]
+                if kind.checks_waits:
+                    first = None
+                    for f in fs:
+                        if f._state == FINISHED:
+                            continue
+                        try:
+                            kind.check_wait(call, f)
+                        except errors.DeadlockError as e:
+                            first = first or e
+                        else:  # this one may end: the wait may
+                            first = None
+                            break
+                    if first is not None:
+                        raise first
+            eng.stats.threads_parked += 1
+            waiter = arrivals.waiter = Waiter(eng, w)
+            if timeout is not None:
+                eng.add_timer(timeout, waiter)
+            try:
+                r = eng.root.switch(PARKED)
+            finally:
+                arrivals.waiter = None
+            if type(r) is errors.DeadlockError:
+                raise r
+            return bool(arrivals.queue)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed, self.timed_wait = self.timed_wait, deadline is not None
+        try:
+            return self.driver.run_until(lambda: bool(arrivals.queue), deadline)
+        finally:
+            self.timed_wait = timed
 
     def _glance_for(self, f: Future) -> None:
         # Only with nothing else to do here, and nothing that completes without

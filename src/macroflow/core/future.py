@@ -255,6 +255,57 @@ class Future:
         return f"<Future{what} {self._fid[0]}.{self._fid[1]} @ctx{self._home} {state}>"
 
 
+class Arrivals:
+    """A done-callback for several futures: each that finishes here is queued,
+    in the order they finish, and the one waiter parked for them (if any) woken.
+
+    What ``mf.as_completed`` and ``mf.wait(return_when=...)`` are built on:
+    the engine's ``wait_arrival`` parks on it; a future holds it among its
+    callbacks until it finishes or ``detach`` takes it back.
+
+    Example:
+        >>> import macroflow as mf
+        >>> from macroflow.core.context import current_engine
+        >>> @mf.regular
+        ... class M:
+        ...     def one(self): return 1
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     arr = Arrivals()
+        ...     f = arr.attach([M().one()])[0]
+        ...     current_engine().wait_arrival(arr, 10), arr.queue.popleft() is f
+        (True, True)
+    """
+
+    __slots__ = ("queue", "waiter", "__weakref__")
+
+    def __init__(self) -> None:
+        from collections import deque
+        self.queue: Any = deque()
+        self.waiter: Any = None
+
+    def __call__(self, f: Future) -> None:
+        self.queue.append(f)
+        w = self.waiter
+        if w is not None:
+            w.wake(None)
+
+    def attach(self, fs: List[Future]) -> List[Future]:
+        """Follow ``fs`` (asking for their values): the finished ones are
+        queued at once, in list order. Returns ``fs``."""
+        for f in fs:
+            f.add_done_callback(self)
+        return fs
+
+    def detach(self, fs: Any) -> None:
+        """Stop following those of ``fs`` that have not finished."""
+        for f in fs:
+            if f._state != FINISHED:
+                try:
+                    f._callbacks.remove(self)
+                except ValueError:
+                    pass
+
+
 class CallSite:
     """What the engine learns about one call site (a method, or an internal call).
 

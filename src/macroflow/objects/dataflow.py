@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..core import errors
 from ..core.context import check_timeout, current_engine
-from ..core.future import Future, stale_future
+from ..core.future import Arrivals, Future, stale_future
 
 
 
@@ -50,16 +50,29 @@ def _left(deadline: Optional[float]) -> Optional[float]:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[Future], List[Future]]:
-    """Wait until every future has its value here, or ``timeout`` seconds pass.
+FIRST_COMPLETED = "FIRST_COMPLETED"
+FIRST_EXCEPTION = "FIRST_EXCEPTION"
+ALL_COMPLETED = "ALL_COMPLETED"
+_RETURN_WHEN = (FIRST_COMPLETED, FIRST_EXCEPTION, ALL_COMPLETED)
 
-    Returns ``(done, not_done)``, two lists of futures; never raises for a
-    failed call (look at ``f.exception()``) nor for the timeout.
+
+def wait(futures: Iterable[Any], timeout: Optional[float] = None,
+         return_when: str = ALL_COMPLETED) -> Tuple[List[Future], List[Future]]:
+    """Wait until every future has its value here (or the first one does, or
+    the first fails: ``return_when``), or ``timeout`` seconds pass.
+
+    Returns ``(done, not_done)``, two lists of futures in the order given;
+    never raises for a failed call (look at ``f.exception()``) nor for the
+    timeout. ``return_when`` is ``mf.ALL_COMPLETED`` (the default),
+    ``mf.FIRST_COMPLETED`` or ``mf.FIRST_EXCEPTION`` (every future, unless
+    one fails first), as in :mod:`concurrent.futures`, whose constants are
+    the same strings.
 
     Raises:
         TypeError: ``futures`` is not an iterable of futures (a dict, a
             single Future, or an item that is not a Future: the error names
             the first such item and its position).
+        ValueError: ``return_when`` is none of the three.
 
     Example:
         >>> import macroflow as mf
@@ -68,29 +81,113 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None) -> Tuple[List[
         ...     def one(self): return 1
         >>> with mf.init(contexts=2, transport="inproc"):
         ...     done, pending = mf.wait([M().one() for _ in range(3)], timeout=10)
-        ...     len(done), len(pending)
-        (3, 0)
+        ...     first, _ = mf.wait([M().one(), M().one()], return_when=mf.FIRST_COMPLETED)
+        ...     len(done), len(pending), len(first) >= 1
+        (3, 0, True)
     """
-    fs = _items(futures, "wait")
-    for i, f in enumerate(fs):
-        if not isinstance(f, Future):
-            raise TypeError(f"mf.wait() waits for futures; item {i} is {_show(f)} "
-                            f"({type(f).__name__}), not a Future")
+    fs = _futures(futures, "wait")
+    if return_when not in _RETURN_WHEN:
+        raise ValueError(f"mf.wait()'s return_when must be mf.FIRST_COMPLETED, "
+                         f"mf.FIRST_EXCEPTION or mf.ALL_COMPLETED; got {_show(return_when)}")
     deadline = _deadline(timeout)
     if not fs:
         return [], []
     eng = _engine_for(fs)
-    for f in fs:
-        eng.request_value(f)
-    for f in fs:
-        if f.done():
-            continue
+    if return_when == ALL_COMPLETED:
+        for f in fs:
+            eng.request_value(f)
+        for f in fs:
+            if f.done():
+                continue
+            try:
+                eng.wait_future(f, _left(deadline))
+            except TimeoutError:
+                break
+    else:
+        unique = list({id(f): f for f in fs}.values())  # each future once
+        arrivals = Arrivals()
         try:
-            eng.wait_future(f, _left(deadline))
-        except TimeoutError:
-            break
+            arrivals.attach(unique)
+            left = len(unique)
+            seen: set = set()
+            while True:
+                while arrivals.queue:
+                    f = arrivals.queue.popleft()
+                    if id(f) in seen:
+                        continue
+                    seen.add(id(f))
+                    left -= 1
+                    if return_when == FIRST_COMPLETED or f._exc is not None:
+                        left = 0
+                if left <= 0 or not eng.wait_arrival(arrivals, _left(deadline), unique):
+                    break
+        finally:
+            arrivals.detach(unique)
     done = [f for f in fs if f.done()]
     return done, [f for f in fs if not f.done()]
+
+
+def as_completed(futures: Iterable[Any], timeout: Optional[float] = None) -> Iterator[Future]:
+    """Yield the futures as their values arrive here: those done already
+    first (in the order given), then each as it finishes.
+
+    Each future is yielded once (a future given twice, once). Failed calls
+    are yielded too: ``f.result()`` raises their exception. Leaving the loop
+    early is fine: the futures not yet yielded are left as they are.
+
+    Raises:
+        TypeError: ``futures`` is not an iterable of futures (as mf.wait).
+        macroflow.TimeoutError: from the iteration (``next``), when ``timeout``
+            seconds have passed since the call and futures remain.
+
+    Example:
+        >>> import macroflow as mf
+        >>> @mf.regular
+        ... class M:
+        ...     def sq(self, x): return x * x
+        >>> with mf.init(contexts=2, transport="inproc"):
+        ...     sorted(f.result() for f in mf.as_completed([M().sq(x) for x in range(4)]))
+        [0, 1, 4, 9]
+    """
+    fs = _futures(futures, "as_completed")
+    deadline = _deadline(timeout)
+    # (checked here, not at the first next(): a generator's errors come late)
+    return _completed(_engine_for(fs) if fs else None, fs, timeout, deadline)
+
+
+def _completed(eng: Any, fs: List[Future], timeout: Optional[float],
+               deadline: Optional[float]) -> Iterator[Future]:
+    if not fs:
+        return
+    unique = list({id(f): f for f in fs}.values())
+    arrivals = Arrivals()
+    try:
+        arrivals.attach(unique)
+        left = len(unique)
+        seen: set = set()
+        while left:
+            while arrivals.queue:
+                f = arrivals.queue.popleft()
+                if id(f) not in seen:
+                    seen.add(id(f))
+                    left -= 1
+                    yield f
+            if left and not arrivals.queue and not eng.wait_arrival(arrivals, _left(deadline),
+                                                                  unique):
+                raise errors.TimeoutError(
+                    f"{left} of {len(unique)} futures not ready after {timeout:g} s "
+                    f"(mf.as_completed's timeout)")
+    finally:
+        arrivals.detach(unique)
+
+
+def _futures(futures: Any, who: str) -> List[Future]:
+    fs = _items(futures, who)
+    for i, f in enumerate(fs):
+        if not isinstance(f, Future):
+            raise TypeError(f"mf.{who}() waits for futures; item {i} is {_show(f)} "
+                            f"({type(f).__name__}), not a Future")
+    return fs
 
 
 def _show(x: Any) -> str:

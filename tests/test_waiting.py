@@ -1,0 +1,225 @@
+"""Waiting for the first of several futures: mf.as_completed and mf.wait's
+return_when. A Gate holds one call until main opens it, so the order in which
+calls finish is set by the test, not by timing."""
+
+import concurrent.futures
+import os
+
+import pytest
+
+import macroflow as mf
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@mf.persistent
+class Gate:
+    def __init__(self):
+        self.opened = False
+
+    def open(self):
+        self.opened = True
+
+    @mf.guard(lambda self: self.opened)
+    def through(self, x):
+        return x
+
+
+@mf.persistent
+class Quick:
+    def echo(self, x):
+        return x
+
+    def fail(self, text):
+        raise KeyError(text)
+
+    def first_of(self, gate, quick):
+        # from a method's lightweight thread: the order calls finish in
+        fs = [gate.through("slow"), quick.echo("fast")]
+        order = []
+        for f in mf.as_completed(fs, timeout=30):
+            order.append(f.result())
+            if len(order) == 1:
+                gate.open()
+        return order
+
+    def wait_first(self, gate, quick):
+        slow, fast = gate.through("slow"), quick.echo("fast")
+        done, pending = mf.wait([slow, fast], timeout=30, return_when=mf.FIRST_COMPLETED)
+        gate.open()
+        return [f.result() for f in done], len(pending), slow.result()
+
+
+def test_as_completed_yields_in_the_order_calls_finish(run):
+    def main():
+        gate, quick = Gate.create(on=1), Quick.create(on=2)
+        fs = [gate.through("slow"), quick.echo("fast")]
+        order = []
+        for f in mf.as_completed(fs, timeout=30):
+            order.append(f.result())
+            if len(order) == 1:
+                gate.open()  # only once the fast one came
+        return order
+
+    assert run(main, contexts=3) == ["fast", "slow"]
+
+
+def test_as_completed_gives_the_done_ones_first_in_order_and_each_future_once(run):
+    def main():
+        quick = Quick.create(on=1)
+        a, b = quick.echo("a"), quick.echo("b")
+        mf.wait([a, b])
+        gate = Gate.create(on=1)
+        c = gate.through("c")
+        it = mf.as_completed([b, c, a, b, a])
+        head = [next(it).result(), next(it).result()]
+        gate.open()
+        return head + [f.result() for f in it]
+
+    assert run(main, contexts=2) == ["b", "a", "c"]
+
+
+def test_as_completed_yields_a_failed_call_whose_result_raises(run):
+    def main():
+        quick = Quick.create(on=1)
+        got = []
+        for f in mf.as_completed([quick.fail("boom"), quick.echo(1)], timeout=30):
+            got.append(type(f.exception()).__name__ if f.exception() else f.result())
+        return sorted(map(str, got))
+
+    assert run(main, contexts=2) == ["1", "KeyError"]
+
+
+def test_as_completed_times_out_naming_what_is_left_and_leaves_no_callback(run):
+    def main():
+        gate, quick = Gate.create(on=1), Quick.create(on=1)
+        held = gate.through("held")
+        it = mf.as_completed([held, quick.echo(1)], timeout=0.3)
+        first = next(it).result()
+        with pytest.raises(mf.TimeoutError, match=r"1 of 2 futures not ready after 0.3 s"):
+            next(it)
+        left_over = list(held._callbacks)
+        gate.open()
+        return first, held.result(timeout=30), left_over
+
+    assert run(main, contexts=2) == (1, "held", [])
+
+
+def test_leaving_as_completed_early_detaches_it(run):
+    def main():
+        gate, quick = Gate.create(on=1), Quick.create(on=1)
+        held = gate.through("held")
+        it = mf.as_completed([quick.echo(1), held])
+        first = next(it).result()
+        it.close()
+        left_over = list(held._callbacks)
+        gate.open()
+        return first, left_over, held.result(timeout=30)
+
+    assert run(main, contexts=2) == (1, [], "held")
+
+
+def test_wait_first_completed_returns_with_the_first(run):
+    def main():
+        gate, quick = Gate.create(on=1), Quick.create(on=2)
+        slow, fast = gate.through("slow"), quick.echo("fast")
+        done, pending = mf.wait([slow, fast], timeout=30, return_when=mf.FIRST_COMPLETED)
+        out = ([f.result() for f in done], pending == [slow])
+        gate.open()
+        return out, slow.result(timeout=30)
+
+    assert run(main, contexts=3) == ((["fast"], True), "slow")
+
+
+def test_wait_first_exception_returns_at_a_failure_else_waits_for_all(run):
+    def main():
+        gate, quick = Gate.create(on=1), Quick.create(on=2)
+        slow, bad = gate.through("slow"), quick.fail("x")
+        done, pending = mf.wait([slow, bad], timeout=30, return_when=mf.FIRST_EXCEPTION)
+        first = (done == [bad], pending == [slow])
+        gate.open()
+        # no failure: every future, as ALL_COMPLETED
+        fs = [quick.echo(i) for i in range(5)] + [slow]
+        done, pending = mf.wait(fs, timeout=30, return_when=concurrent.futures.FIRST_EXCEPTION)
+        return first, len(done), pending
+
+    assert run(main, contexts=3) == ((True, True), 6, [])
+
+
+def test_wait_first_completed_times_out_with_nothing_done(run):
+    def main():
+        gate = Gate.create(on=1)
+        held = gate.through(1)
+        done, pending = mf.wait([held], timeout=0.2, return_when=mf.FIRST_COMPLETED)
+        gate.open()
+        return done, pending == [held], list(held._callbacks), held.result(timeout=30)
+
+    assert run(main, contexts=2) == ([], True, [], 1)
+
+
+def test_first_of_several_from_a_methods_thread(run):
+    def main():
+        gate, quick, host = Gate.create(on=1), Quick.create(on=2), Quick.create(on=1)
+        order = host.first_of(gate, quick).result(timeout=30)
+        gate2 = Gate.create(on=1)
+        return order, host.wait_first(gate2, quick).result(timeout=30)
+
+    assert run(main, contexts=3) == (["fast", "slow"], (["fast"], 1, "slow"))
+
+
+def test_bad_arguments_are_refused_at_the_call(run):
+    def main():
+        f = Quick.create(on=1).echo(1)
+        with pytest.raises(ValueError, match="return_when must be mf.FIRST_COMPLETED"):
+            mf.wait([f], return_when="FIRST")
+        with pytest.raises(TypeError, match=r"mf.as_completed\(\) waits for futures; item 1 is 2"):
+            mf.as_completed([f, 2])  # at the call, not at the first next()
+        with pytest.raises(TypeError, match="not one Future"):
+            mf.as_completed(f)
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            mf.as_completed([f], timeout=-1)
+        return list(mf.as_completed([])), mf.wait([], return_when=mf.FIRST_COMPLETED)
+
+    assert run(main, contexts=2) == ([], ([], []))
+
+
+@mf.persistent
+class Mortal:
+    def die(self):
+        os._exit(3)
+
+
+@pytest.mark.parametrize("transport", ["local"])
+def test_a_lost_context_ends_as_completed_with_its_futures_failed(run):
+    def main():
+        quick, mortal = Quick.create(on=1), Mortal.create(on=2)
+        got = []
+        for f in mf.as_completed([mortal.die(), quick.echo("ok")], timeout=30):
+            got.append(type(f.exception()).__name__ if f.exception() else f.result())
+        return sorted(got)
+
+    assert run(main, contexts=3) == ["ContextLost", "ok"]
+
+
+@mf.persistent
+class Selfish:
+    def one(self):
+        return 1
+
+    def own_first(self, me, quick):
+        got = []
+        try:
+            for f in mf.as_completed([me.one(), quick.echo("other")]):
+                got.append(f.result())
+        except mf.DeadlockError as e:
+            got.append("own object" in str(e))
+        return got
+
+
+def test_a_method_waiting_only_for_calls_to_its_own_object_is_refused(run):
+    def main():
+        me, quick = Selfish.create(on=1), Quick.create(on=2)
+        return me.own_first(me, quick).result(timeout=30)
+
+    # the other call comes; then only a call that can never start is left
+    assert run(main, contexts=3) == ["other", True]
