@@ -1703,7 +1703,7 @@ def test_an_unpicklable_constructor_argument_of_a_regular_object_is_named(run):
 
     def main():
         with pytest.raises(mf.CallError, match=r"cannot send the constructor arguments of "
-                                               r"_Table\(\) \(they go with each of its calls: "
+                                               r"_Table\(\) \(they go with its calls: "
                                                r"_Table.first here\): TypeError: cannot pickle"):
             _Table(threading.Lock()).first()
         return "refused"
@@ -1727,3 +1727,75 @@ def test_gather_says_which_item_failed_in_a_note(run):
 
     (note,) = run(main, contexts=2)
     assert note.startswith("(mf.gather: item 2 of 4, <Future _Divides.by"), note
+
+
+@mf.regular
+class _Weights:
+    def __init__(self, w, tag=0):
+        self.w, self.tag = w, tag
+
+    def total(self, x=0):
+        return float(self.w.sum()) + x, self.tag
+
+
+def _sent_to_1():
+    return mf.stats()[0]["protocols"]
+
+
+def test_large_constructor_arguments_go_once_to_each_context(run):
+    # (a 4 MB array went with each of 10 calls: 40 MB)
+    def main():
+        w = np.arange(500_000, dtype=np.float64)  # 4 MB
+        h = _Weights.create(w, on=1)
+        before = mf.stats()[0]["bytes_sent"]
+        got = [h.total(i).result(30) for i in range(10)]
+        sent = mf.stats()[0]["bytes_sent"] - before
+        return got == [(float(w.sum()) + i, 0) for i in range(10)], sent
+
+    same, sent = run(main, contexts=2)
+    assert same
+    assert 4_000_000 < sent < 4_400_000
+
+
+def test_more_sets_of_large_constructor_arguments_than_a_context_keeps(run):
+    # a caller and its callee agree on which sets the callee holds: 12
+    # handles (8 kept) called round and round, in two orders, all correct
+    from macroflow.objects.hosting import CTOR_HELD
+
+    def main():
+        hs = [_Weights.create(np.full(1024, float(k)), k, on=1) for k in range(CTOR_HELD + 4)]
+        want = {k: (1024.0 * k, k) for k in range(len(hs))}
+        order = list(range(len(hs))) * 2 + list(reversed(range(len(hs)))) + [0, 11, 0, 5, 0]
+        got = mf.gather([hs[k].total() for k in order], timeout=30)
+        held = mf.stats()[1]["instances_created"]
+        return got == [want[k] for k in order], held
+
+    same, created = run(main, contexts=2)
+    assert same and created >= 12
+
+
+def test_a_call_whose_arguments_cannot_be_sent_leaves_its_constructor_arguments_unsent(run):
+    def main():
+        h = _Weights.create(np.ones(4096), on=1)
+        with pytest.raises(mf.CallError, match="cannot send the arguments of _Weights.total"):
+            h.total(threading.Lock())
+        return h.total(1).result(30)  # (sent whole: the first did not go)
+
+    assert run(main, contexts=2) == (4097.0, 0)
+
+
+@mf.persistent
+class _Relay:
+    def use(self, h):
+        return mf.gather([h.total(1) for _ in range(4)])
+
+
+def test_a_handle_with_large_constructor_arguments_passed_on_and_placed_anywhere(run):
+    def main():
+        w = np.ones(8192)
+        h = _Weights(w, 7)  # placed by the runtime: any context, moves included
+        direct = mf.gather([h.total(2) for _ in range(30)], timeout=30)
+        relayed = _Relay.create(on=2).use(h).result(30)
+        return set(direct), relayed
+
+    assert run(main, contexts=3) == ({(8194.0, 7)}, [(8193.0, 7)] * 4)

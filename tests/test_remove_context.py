@@ -377,3 +377,25 @@ def test_removing_an_idle_context_does_not_wait_for_a_method_computing_elsewhere
 
     states, done = mf.run(main, contexts=3, transport=transport)
     assert states == ["running", "removed", "running"] and done == "done"
+
+
+@mf.regular
+class Table:
+    def __init__(self, w):
+        self.w = w
+
+    def at(self, i):
+        return float(self.w[i]), mf.context_id()
+
+
+def test_a_pinned_handle_with_large_constructor_arguments_goes_on_at_the_heir(run):
+    # its arguments went to context 1 once; after the removal its calls run
+    # where 1's work went, which never had them: sent whole there
+    def main():
+        t = Table.create(np.arange(8192.0), on=1)
+        before = t.at(5).result(30)
+        mf.remove_context(1, timeout=30)
+        after = mf.gather([t.at(i) for i in (1, 2, 3)], timeout=30)
+        return before, [v for v, _ in after], {c for _, c in after} - {1} == {c for _, c in after}
+
+    assert run(main, contexts=3) == ((5.0, 1), [1.0, 2.0, 3.0], True)

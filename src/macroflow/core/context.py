@@ -402,6 +402,9 @@ class Engine:
         # the programming models' parts of this engine (see register_model):
         # the kinds of CALL each serves, and the global pointer kinds it resolves
         self.call_kinds: Dict[str, CallKind] = {SYSTEM: SystemCalls(self)}
+        #: the kinds whose targets a sender shrinks and a receiver makes whole
+        #: again (see CallKind.outgoing)
+        self.shrinks: set = set()
         self.pointer_kinds: Dict[str, Model] = {}
         self.models: Dict[str, Model] = {}
         for name, factory in MODELS.items():
@@ -412,6 +415,7 @@ class Engine:
                 raise ValueError(f"model {name!r} serves kinds {taken} that another model "
                                  f"(or the core) serves already")
             self.call_kinds.update(model.kinds)
+            self.shrinks.update(k for k, v in model.kinds.items() if v.outgoing is not None)
             for kind in model.pointers:
                 self.pointer_kinds[kind] = model
         if transport is not None:
@@ -541,6 +545,12 @@ class Engine:
                                    oid, pinned, fid)
         if fid is None:
             fid = (self.id, next(self.seq))
+        if dest in self.heirs and oid is None and getattr(self.call_kinds.get(kind), "moves",
+                                                           False):
+            # a call that may run anywhere (a stateless object's, pinned to a
+            # context since removed) runs where that context's work went
+            while dest in self.heirs and self.heirs[dest] != dest:
+                dest = self.heirs[dest]
         arcs = None
         plain = not kwargs
         top = False  # futures among the arguments, none inside a container
@@ -565,12 +575,15 @@ class Engine:
         route = (1 << 2) | (EAGER if eager else 0) | (PINNED if pinned else 0)
         running = getattr(getcurrent(), "call", None)
         caller = self.id if running is None else running.fid
-        msg = (CALL, fid, kind, target, method, args, kwargs, arcs, route, caller)
         # a call to this very context, of plain values only, is queued as it is
         # (see _process): nothing in it can change, so call-by-value holds
         # without the pickle and its decoding
         queued = plain and arcs is None and dest == self.id and self.relay_to is None \
             and _shareable(target)
+        sent = target
+        if dest != self.id and kind in self.shrinks and dest not in self.lost:
+            sent = self.call_kinds[kind].outgoing(target, dest)  # type: ignore[attr-defined]
+        msg = (CALL, fid, kind, sent, method, args, kwargs, arcs, route, caller)
         try:
             if queued:
                 data = bufs = None
@@ -580,23 +593,14 @@ class Engine:
                 data, bufs = _pdumps(msg, 5), None
             else:
                 data, bufs = _encode(msg)
-        except errors.StaleReference:
-            raise  # a future of another computation inside the arguments: as it is
-        except Exception as e:  # a __reduce__ may raise anything
-            what = f"the arguments of {site_label(site) or method}"
-            if type(target) is tuple and len(target) == 3 and isinstance(target[0], type):
-                try:  # (a stateless object's constructor arguments go with each call)
-                    _encode(target)
-                except Exception:
-                    what = (f"the constructor arguments of {target[0].__qualname__}() (they go "
-                            f"with each of its calls: {site_label(site) or method} here)")
-            raise errors.CallError(f"cannot send {what}: {type(e).__name__}: {e}") from e
-        if dest in self.heirs and oid is None and getattr(self.call_kinds.get(kind), "moves",
-                                                           False):
-            # a call that may run anywhere (a stateless object's, pinned to a
-            # context since removed) runs where that context's work went
-            while dest in self.heirs and self.heirs[dest] != dest:
-                dest = self.heirs[dest]
+        except BaseException as e:
+            if sent is not target:  # not sent after all: the kind forgets it was
+                self.call_kinds[kind].unsent(sent, dest)  # type: ignore[attr-defined]
+            if isinstance(e, errors.StaleReference) or not isinstance(e, Exception):
+                raise  # a future of another computation inside the arguments: as it is
+            # (a __reduce__ may raise anything)
+            raise errors.CallError(f"cannot send the arguments of {site_label(site) or method}: "
+                                   f"{type(e).__name__}: {e}") from e
         fut = Future(self, fid, dest, oid, site)
         if dest in self.lost:
             if dest in self.heirs and oid is not None:
@@ -1194,6 +1198,8 @@ class Engine:
                             err)
 
     def _on_call(self, src, msg) -> None:
+        if msg[2] in self.shrinks:  # (before anything may pass it on)
+            msg = self.call_kinds[msg[2]].incoming(msg, src)  # type: ignore[attr-defined]
         if self.retire is not None:
             kind = self.call_kinds.get(msg[2])
             if kind is not None:
@@ -2586,6 +2592,13 @@ class CallKind:
 
     #: True if :meth:`arrived` may pass calls on (the engine asks only then)
     moves = False
+    #: ``outgoing(target, dest)``, if the kind has one: what a caller sends to
+    #: ``dest`` in place of a call's target (a smaller form, say); the kind's
+    #: ``incoming(msg, src)`` then gives back the CALL message with the target
+    #: whole, before anything else sees it. Frames between two contexts
+    #: arrive in the order sent, so the two sides can keep state in step; and
+    #: ``unsent(sent, dest)`` is told of a form that was not sent after all.
+    outgoing: Optional[Callable[[Any, int], Any]] = None
     #: True if ``mf.poll()`` from a call of this kind lets the engine run, for
     #: one round, the calls that have arrived (Tulip's Poll); else it serves
     #: only what needs no user code
@@ -3055,7 +3068,7 @@ def _shareable(target) -> bool:
     constructor arguments) with an empty dict beside them.
 
     Example:
-        >>> _shareable(((0, 3),)), _shareable((int, (1, "a"), {})), _shareable("stats")
+        >>> _shareable(((0, 3),)), _shareable((int, (1, "a"), {}, b"key", 9)), _shareable("stats")
         (True, True, True)
         >>> _shareable((int, ([1],), {})), _shareable((int, (), {"x": 1}))
         (False, False)
@@ -3073,7 +3086,7 @@ def _shareable(target) -> bool:
         elif tt is dict:
             if t:
                 return False
-        elif not isinstance(t, type):
+        elif tt not in _PLAIN and not isinstance(t, type):
             return False
     return True
 

@@ -126,6 +126,13 @@ class ObjectHost(Model):
         # idle regular instances by class and constructor arguments, the
         # least recently used set of arguments first (see REGULAR_POOL_KEYS)
         self.regular_pool: "collections.OrderedDict[Any, List[Any]]" = collections.OrderedDict()
+        # Large constructor arguments of regular objects go once to each
+        # context (see RegularCalls.outgoing): the keys this context sent to
+        # each, least recently used first, and the arguments each sender sent
+        # here, by key. A sender says which of its keys to forget, so both
+        # sides agree on what is here without a message of their own.
+        self.ctor_sent: Dict[int, "collections.OrderedDict[bytes, None]"] = {}
+        self.ctor_held: Dict[int, Dict[bytes, Tuple[tuple, dict]]] = {}
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
 
@@ -187,6 +194,8 @@ class ObjectHost(Model):
         return started
 
     def lost(self, peer: int) -> None:
+        self.ctor_sent.pop(peer, None)
+        self.ctor_held.pop(peer, None)
         for oid in self.unborn.pop(peer, ()):
             obj = self.objects.get(oid)
             if obj is not None and obj.state == "new" and obj.create is None:
@@ -657,12 +666,75 @@ class RegularCalls(_HostedKind):
         eng._move(call, dest, (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9]))
         return True
 
+    def outgoing(self, target: tuple, dest: int) -> tuple:
+        """What goes to ``dest`` for a call's ``target``
+        ``(cls, args, kwargs, key, size)``: large constructor arguments go
+        once to each context, then only their key."""
+        key = target[3]
+        if target[4] < CTOR_ONCE or key is None:
+            return target
+        sent = self.host.ctor_sent.get(dest)
+        if sent is None:
+            sent = self.host.ctor_sent[dest] = collections.OrderedDict()
+        if key in sent:
+            sent.move_to_end(key)
+            return (target[0], key)
+        sent[key] = None
+        forget: tuple = ()
+        if len(sent) > CTOR_HELD:
+            forget = (sent.popitem(last=False)[0],)
+        return target + (forget,)
+
+    def unsent(self, sent: tuple, dest: int) -> None:
+        """``outgoing``'s ``sent`` did not go (a method argument could not be
+        pickled): ``dest`` does not hold what it would have told it to."""
+        if len(sent) == 6:
+            mine = self.host.ctor_sent.get(dest)
+            if mine is not None:
+                mine.pop(sent[3], None)
+                for k in sent[5]:
+                    mine[k] = None
+                    mine.move_to_end(k, last=False)
+
+    def incoming(self, msg: tuple, src: int) -> tuple:
+        """A CALL ``msg`` as it came from ``src``, with its target made whole
+        (see :meth:`outgoing`): what is passed on or served from here on."""
+        target = msg[3]
+        n = len(target)
+        if n == 5:
+            return msg
+        held = self.host.ctor_held
+        if n == 6:  # arguments to keep: src sends only their key from now on
+            cls, cargs, ckw, key, size, forget = target
+            mine = held.get(src)
+            if mine is None:
+                mine = held[src] = {}
+            mine[key] = (cargs, ckw, size)
+            for k in forget:
+                mine.pop(k, None)
+            target = target[:5]
+        else:
+            cls, key = target
+            got = held.get(src, {}).get(key)
+            if got is None:
+                # (a frame relayed by a context that retired comes from it,
+                # not from its sender: any sender's copy is the same value)
+                got = next((h[key] for h in held.values() if key in h), None)
+            target = (cls, None, None, key, 0) if got is None else (cls, *got[:2], key, got[2])
+        return msg[:3] + (target,) + msg[4:]
+
     def _run_free(self, call: Call) -> None:
         eng = self.eng
         g = getcurrent()
         g.call = call
-        cls, cargs, ckw = call.target
-        key = _pool_key(cls, cargs, ckw)
+        cls, cargs, ckw, key, _size = call.target
+        if cargs is None:
+            eng._finish(call, False, errors.CallError(
+                f"{self.label(call)}: the constructor arguments of {cls.__qualname__}() "
+                f"are not known on context {eng.id} (its sender sends them once; this call "
+                f"was passed on by a context that was removed meanwhile): call it again"))
+            return
+        key = cls if key is None else (cls, key)
         pool = self.host.regular_pool
         free = pool.get(key)
         if free is not None:
@@ -695,29 +767,39 @@ class RegularCalls(_HostedKind):
 REGULAR_POOL_KEYS = 64
 
 
-def _pool_key(cls: type, cargs: tuple, ckw: dict) -> Any:
-    """What makes two regular instances interchangeable: their class and
-    constructor arguments, arrays' contents included (the pickle alone
-    leaves out-of-band buffers out: arrays of one shape looked alike).
+#: constructor arguments this large (pickled, in bytes) go once to each
+#: context, then only their key; smaller ones go with every call
+CTOR_ONCE = 4096
+#: sets of large constructor arguments a context keeps for each sender
+CTOR_HELD = 8
+
+
+def ctor_key(cargs: tuple, ckw: dict) -> Tuple[Optional[bytes], int]:
+    """What makes two sets of constructor arguments the same, and their size:
+    a 128-bit BLAKE2 digest of their pickle, arrays' contents included (the
+    pickle alone leaves out-of-band buffers out: arrays of one shape looked
+    alike), and its length in bytes; ``(None, 0)`` for no arguments. Regular
+    instances made with the same key are interchangeable.
 
     Example:
         >>> import numpy as np
-        >>> a, b = _pool_key(int, (np.zeros(8192),), {}), _pool_key(int, (np.ones(8192),), {})
-        >>> a == b, a == _pool_key(int, (np.zeros(8192),), {}), _pool_key(int, (), {}) is int
-        (False, True, True)
+        >>> (a, n), (b, _) = ctor_key((np.zeros(8192),), {}), ctor_key((np.ones(8192),), {})
+        >>> a == b, a == ctor_key((np.zeros(8192),), {})[0], n > 65536, ctor_key((), {})
+        (False, True, True, (None, 0))
     """
     if not (cargs or ckw):
-        return cls
+        return None, 0
     data, bufs = marshal.dumps((cargs, ckw))
-    if not bufs:
-        return (cls, data)
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.blake2b(data, digest_size=16)
+    size = len(data)
     for b in bufs:
         try:
-            digest.update(b.raw() if isinstance(b, pickle.PickleBuffer) else b)
+            view = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b)
         except BufferError:  # (not contiguous: its bytes, copied)
-            digest.update(memoryview(b).tobytes())
-    return (cls, data, digest.digest())
+            view = memoryview(memoryview(b).tobytes())
+        digest.update(view)
+        size += view.nbytes
+    return digest.digest(), size
 
 
 def _enqueue(obj: HostedObject, call: Call) -> bool:

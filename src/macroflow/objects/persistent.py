@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from ..core.context import as_int, current_engine
-from ..core.errors import StaleReference
+from ..core.errors import CallError, StaleReference
 from ..core.future import CallSite, Future, current_engine_of, running_computation
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
-from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR
+from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR, ctor_key
 from .methods import constructor_info, method_info
 
 T = TypeVar("T", bound=type)
@@ -191,15 +191,25 @@ class RegularHandle(_Handle):
         self._kwargs = kwargs or {}
         self._on = on
         self._comp = computation
+        self._target: Optional[tuple] = None  # (cls, args, kwargs, key, size): see _call
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = _engine_of(self)
+        target = self._target
+        if target is None:  # pickled once per handle (a copy elsewhere, once there)
+            try:
+                key, size = ctor_key(self._args, self._kwargs)
+            except Exception as e:  # a __reduce__ may raise anything
+                raise CallError(
+                    f"cannot send the constructor arguments of {self._cls.__qualname__}() "
+                    f"(they go with its calls: {info.label} here): {type(e).__name__}: {e}"
+                ) from e
+            target = self._target = (self._cls, self._args, self._kwargs, key, size)
         if self._on is not None:
             dest, pinned = self._on, True
         else:
             dest, pinned = eng.placement.place_call(eng), False
-        return eng.issue(REGULAR, (self._cls, self._args, self._kwargs), info.name, args, kwargs,
-                         dest, site=info, pinned=pinned)
+        return eng.issue(REGULAR, target, info.name, args, kwargs, dest, site=info, pinned=pinned)
 
     def __reduce__(self):
         _check_travel(self, self._comp)
