@@ -822,3 +822,46 @@ def test_a_context_that_loses_another_says_how_its_process_ended():
     text = mf.run(main, contexts=3, transport="local")
     assert re.search(r"context 1 was lost: its process \(pid \d+\) (exited with code 7|has ended)",
                      text), text
+
+
+FORK_WHILE_SERVED = r"""
+import os, signal, threading, time
+from macroflow.core import threads
+
+class Service:  # as a service with a thread: one lock, held while it serves
+    def __init__(self):
+        self.lock, self.stopped = threading.Lock(), False
+
+svc = Service()
+threads._live.add(svc)
+svc.lock.acquire()  # it serves: a fork waits for the lock
+def later():
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the fork waits
+    time.sleep(0.2)
+    svc.lock.release()  # (it raised RuntimeError: the fork had released it)
+    print("service released its lock", flush=True)
+t = threading.Thread(target=later)
+t.start()
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    for _ in range(5000):
+        time.sleep(0.001)
+    print("no interrupt")
+except KeyboardInterrupt:
+    t.join()
+    print("interrupted after the fork", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_a_fork_waits_for_a_service_is_raised_after_the_fork():
+    # it was dropped (Python reports what a fork hook raises, and goes on), and
+    # the parent then released the lock the service held
+    out = subprocess.run([sys.executable, "-c", FORK_WHILE_SERVED], capture_output=True,
+                         text=True, timeout=50)
+    assert out.stdout.splitlines() == ["service released its lock", "interrupted after the fork"]
+    assert "Exception ignored" not in out.stderr and "RuntimeError" not in out.stderr, out.stderr

@@ -326,23 +326,54 @@ def quiesce(wait: float = 1.0) -> None:
             t.lock.release()
 
 
+_forking: List[Any] = []  # the locks _before_fork holds, and a Ctrl-C it kept
+
+
+def _hold_interrupt(signum: int, frame: Any) -> None:
+    _forking.append(None)
+
+
 def _before_fork() -> None:
-    # a child forked by user code must not inherit a lock held by a serving thread
+    # A child forked by user code must not inherit a lock held by a serving
+    # thread. A Ctrl-C while it waits for one would be lost (Python reports,
+    # and drops, what a fork hook raises) and would leave locks taken that
+    # the parent then releases: it is kept, and raised once the fork returns.
+    keep = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if keep:
+        signal.signal(signal.SIGINT, _hold_interrupt)
+    _forking.append(keep)
     for t in list(_live):
         t.lock.acquire()
+        _forking.append(t)
+
+
+def _after_fork(child: bool) -> None:
+    taken, _forking[:] = _forking[:], []
+    if not taken:
+        return
+    for t in taken[1:]:
+        if t is not None:
+            if child:
+                t.stopped = True  # the thread is not in the child
+            t.lock.release()
+    if taken[0]:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if not child and None in taken:
+            # raised here, it would be dropped as the hook's own error: a
+            # moment later, from another thread, it reaches the fork's caller
+            import _thread
+            threading.Timer(0.001, _thread.interrupt_main).start()
 
 
 def _after_fork_parent() -> None:
-    for t in list(_live):
-        if t.lock.locked():
-            t.lock.release()
+    _after_fork(False)
 
 
 def _after_fork_child() -> None:
+    _after_fork(True)
     for t in list(_live):
         t.stopped = True  # the thread is not in the child
-        if t.lock.locked():
-            t.lock.release()
     _live.clear()
 
 
