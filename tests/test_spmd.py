@@ -113,6 +113,29 @@ def test_a_get_answered_by_message_is_received_into_the_callers_array(transport)
         assert in_place == (0 if transport == "inproc" else 1)
 
 
+def puts_then_barrier(rounds):
+    from macroflow.core.context import current_engine
+    from macroflow.spmd.model import model_of
+    model_of(current_engine()).onesided = "message"  # as if the owner were on another host
+    me, n = mf.rank(), mf.size()
+    mine = np.zeros(1000)
+    ptrs = mf.allgather(mf.register(mine))
+    stale = 0
+    for it in range(1, rounds + 1):
+        mf.put(ptrs[(me + 1) % n], np.full(1000, float(it)))  # not waited for
+        (mf.barrier if it % 2 else mf.allreduce)(*(() if it % 2 else (1,)))
+        stale += int(mine[0] != it or mine[-1] != it)
+        mf.barrier()
+    return stale
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_orders_the_puts_made_before_it_on_the_message_path(transport):
+    # the guide: "order them with a barrier"; by message, the neighbour's
+    # put had not landed after the barrier in 3 rounds of 4
+    assert mf.spmd(puts_then_barrier, 50, n=2, transport=transport) == [0, 0]
+
+
 def test_macroflow_onesided_names_the_ways_a_get_may_go(monkeypatch):
     monkeypatch.setenv("MACROFLOW_ONESIDED", "fast")
     # at the run's start, even when no get leaves the context
@@ -944,6 +967,29 @@ def test_a_failed_context_ends_a_function_that_polls_for_it(transport, how):
     else:
         with pytest.raises(mf.ContextLost, match="context 1"):
             mf.spmd(fails_while_the_other_polls, how, n=2, transport=transport)
+
+
+def fails_while_the_other_reads_its_flag(how):
+    flag = np.zeros(1)
+    ptrs = mf.allgather(mf.register(flag))
+    if mf.rank() == 1:
+        raise ValueError("context 1 gives up")
+    if how == "get":  # reading the failed context's flag itself
+        while mf.get(ptrs[1]).wait()[0] == 0.0:
+            pass
+    else:  # a handle done long ago, tested while a local flag is awaited
+        h = mf.get(ptrs[1])
+        while flag[0] == 0.0:
+            h.test()
+    return "released"
+
+
+@pytest.mark.parametrize("how", ["get", "test"])
+def test_a_failed_context_ends_a_function_that_loops_on_handles(transport, how):
+    # a get that copies shared memory itself is done at once, and such a
+    # loop served nothing: it never learnt of the failure (for ever)
+    with pytest.raises(ValueError, match="context 1 gives up"):
+        mf.spmd(fails_while_the_other_reads_its_flag, how, n=2, transport=transport)
 
 
 def polls_after_a_caught_failure():

@@ -483,7 +483,19 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
     if not 0 <= r < run.size:
         raise ValueError(f"{name}: root must be a rank in 0..{run.size - 1}; got {root!r}")
     root = r
+    if model.puts_out:
+        _land_puts(eng, model)
     return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
+
+
+def _land_puts(eng: Any, model: SpmdModel) -> None:
+    """Wait until this context's puts by message have been applied: a
+    collective orders them, on every path, as it orders direct puts (done
+    before their call returns). A put that failed keeps its error in its handle."""
+    out, model.puts_out = model.puts_out, []
+    for f in out:
+        if not f.done():
+            eng.wait_future(f, None)
 
 
 def _begin(model: SpmdModel, run: Run, kind: str, name: str, value: Any, op: Any,
@@ -752,6 +764,8 @@ def barrier(timeout: Optional[float] = None) -> None:
     if shm is None or shm is _UNKNOWN:
         _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
         return
+    if model.puts_out:
+        _land_puts(eng, model)
     if timeout is not None:
         _check_timeout(timeout, "mf.barrier()")
     if eng.user and eng.serving != get_ident():  # engine_side(), inline

@@ -165,6 +165,8 @@ class Handle:
             [array([1., 1.]), array([1., 1.])]
         """
         if self._f._state == FINISHED:
+            if not next(_TICKS) & _SERVE_EVERY:
+                self._eng.poll_user()  # (see _SERVE_EVERY)
             return True
         if self._eng.closed:  # its computation ended: nothing will ever finish it
             raise stale_future(self._f)
@@ -208,6 +210,9 @@ class Handle:
         if timeout is None or f._state == FINISHED:  # (math.inf: None)
             if f._state != FINISHED:  # f.result(), inline: a remote action's commonest wait
                 self._eng.wait_future(f, None)
+                self._check_run()
+            elif not next(_TICKS) & _SERVE_EVERY:
+                self._eng.poll_user()  # (see _SERVE_EVERY)
             if f._exc is not None:
                 raise f._exc
             return f._value
@@ -218,9 +223,26 @@ class Handle:
                                       f"(it goes on: wait again for it)") from None
         return f.result()
 
+    def _check_run(self) -> None:
+        # what mf.poll() checks: a run that cannot complete (another
+        # context's function failed) ends a function that loops on handles
+        call = getattr(getcurrent(), "call", None)
+        if call is not None:
+            kind = self._eng.call_kinds.get(call.kind)
+            if kind is not None:
+                kind.polled(call)
+
     def __repr__(self) -> str:
         state = "done" if self._f._state == FINISHED else "pending"
         return f"<Handle {describe(self._what)} {state}>"
+
+
+# A loop of handles done at once (gets and puts that copy shared memory
+# themselves) would never serve: one reading a flag that a failed context
+# would have set polled for ever. Every 64th such test() or wait() serves
+# what has arrived, as mf.poll() does, and raises if the run cannot complete.
+_SERVE_EVERY = 63
+_TICKS = itertools.count(1)
 
 
 def describe(what: Any) -> str:
@@ -490,6 +512,10 @@ class SpmdModel(Model):
         self.onesided: Optional[str] = None  # how gets and puts may go (env_onesided)
         self._window: Any = False  # the transport's one-sided window (False: not asked yet)
         self.window_gets: Dict[int, int] = {}  # context -> window gets from it in flight
+        # puts sent to their owner and maybe not applied yet: a collective
+        # waits for them before it begins, so that a barrier orders them (as
+        # a direct put, done before its call returns, is ordered)
+        self.puts_out: List[Future] = []
 
     # ------------------------------------------------------------------ the engine's hooks
     def resolve(self, kind: str, ident: Any) -> Any:

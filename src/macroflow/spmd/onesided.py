@@ -506,6 +506,10 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
         engine_side(eng, model.request, gp.context, f, (value, mine), what, GET, gp.ident, off, n)
     else:
         engine_side(eng, model.request, gp.context, f, None, what, PUT, gp.ident, off, mine)
+        out = model.puts_out
+        if len(out) >= 64:
+            out[:] = [p for p in out if not p.done()]
+        out.append(f)
     return Handle(eng, f, what)
 
 
