@@ -2,6 +2,7 @@
 methods; futures awaited from asyncio on the caller's side. On every transport."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -385,6 +386,39 @@ def test_awaiting_serves_calls_placed_on_context_0(transport):
 
     with mf.init(contexts=2, transport=transport):
         assert asyncio.run(amain()) == [0, 1, 4, 9]
+
+
+@mf.regular
+class _Napper:
+    def nap(self, s):
+        time.sleep(s)  # computes, as far as its context is concerned
+        return s
+
+
+def test_awaiting_regular_calls_does_not_starve_the_loop(transport):
+    # context 0 ran the regular calls placed there, one after another, in a
+    # turn of the loop: a 0.1 s ticker went 2 s without a tick, and a Ctrl-C
+    # waited for every queued call
+    if transport == "inproc":
+        pytest.skip("inproc: every context runs in the loop's thread")
+
+    async def amain():
+        ticks = []
+
+        async def ticker():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(ticker())
+        got = await asyncio.gather(*[_Napper().nap(0.2) for _ in range(30)])
+        task.cancel()
+        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        return len(got), max(gaps)
+
+    with mf.init(contexts=3, transport=transport):
+        n, gap = asyncio.run(amain())
+    assert n == 30 and gap < 0.5, gap
 
 
 def test_cancelled_await_leaves_the_future_usable(transport):

@@ -4,6 +4,7 @@ calls finish is set by the test, not by timing."""
 
 import concurrent.futures
 import os
+import time
 
 import pytest
 
@@ -223,3 +224,52 @@ def test_a_method_waiting_only_for_calls_to_its_own_object_is_refused(run):
 
     # the other call comes; then only a call that can never start is left
     assert run(main, contexts=3) == ["other", True]
+
+
+@mf.regular
+class Sim:
+    def nap(self, s):
+        time.sleep(s)  # computes, as far as its context is concerned
+        return s
+
+
+def test_without_a_timeout_context_0_holds_back_no_answer(run, transport):
+    # context 0 ran a regular call placed there while main waited, and held
+    # every other answer until it returned (1.07 s for answers of 0.05 s)
+    if transport == "inproc":
+        pytest.skip("inproc: every context runs in main's thread")
+
+    def main():
+        t0 = time.perf_counter()
+        fs = [Sim().nap(1.5)] + [Sim().nap(0.0) for _ in range(5)]
+        first = None
+        for f in mf.as_completed(fs):
+            if first is None:
+                first = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        fs = [Sim().nap(1.5)] + [Sim().nap(0.0) for _ in range(5)]
+        done, _ = mf.wait(fs, return_when=mf.FIRST_COMPLETED)
+        waited = time.perf_counter() - t1
+        mf.wait(fs)
+        return first, waited, len(done)
+
+    first, waited, done = run(main, contexts=3)
+    assert first < 1.0 and waited < 1.0 and 1 <= done < 6, (first, waited, done)
+
+
+def test_a_timeout_given_as_a_fraction_is_said_as_a_number(run):
+    from fractions import Fraction
+
+    def main():
+        gate = Gate.create(on=1)
+        held = gate.through(1)
+        errors = []
+        for wait in (lambda: list(mf.as_completed([held], timeout=Fraction(1, 20))),
+                     lambda: mf.gather([held], timeout=Fraction(1, 20))):
+            with pytest.raises(mf.TimeoutError, match="after 0.05 s") as e:
+                wait()
+            errors.append(type(e.value).__name__)
+        gate.open()
+        return errors, held.result(timeout=30)
+
+    assert run(main, contexts=2) == (["TimeoutError", "TimeoutError"], 1)

@@ -938,7 +938,9 @@ class Engine:
                 raise r
             return bool(arrivals.queue)
         deadline = None if timeout is None else time.monotonic() + timeout
-        timed, self.timed_wait = self.timed_wait, deadline is not None
+        # as in a wait with a timeout, context 0 starts no regular call that
+        # could run elsewhere: one would hold back every other answer
+        timed, self.timed_wait = self.timed_wait, True
         try:
             return self.driver.run_until(lambda: bool(arrivals.queue), deadline)
         finally:

@@ -582,6 +582,11 @@ class LoopDriver:
             self.next = None
         if not self.waiters:
             return
+        main = self.engine
+        # while tasks await, context 0 starts no regular call that could run
+        # elsewhere (as in a wait with a timeout): one would hold the loop,
+        # every task and a Ctrl-C, until it returned
+        timed, main.timed_wait = main.timed_wait, True
         try:
             for eng in self.engines:
                 eng.step(0)
@@ -590,6 +595,8 @@ class LoopDriver:
                 if not w.done():
                     w.set_exception(e)
             return
+        finally:
+            main.timed_wait = timed
         if not self.waiters:
             return
         if any(eng.busy() for eng in self.engines):

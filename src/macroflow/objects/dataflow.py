@@ -175,7 +175,7 @@ def _completed(eng: Any, fs: List[Future], timeout: Optional[float],
             if left and not arrivals.queue and not eng.wait_arrival(arrivals, _left(deadline),
                                                                   unique):
                 raise errors.TimeoutError(
-                    f"{left} of {len(unique)} futures not ready after {timeout:g} s "
+                    f"{left} of {len(unique)} futures not ready after {float(timeout):g} s "
                     f"(mf.as_completed's timeout)")
     finally:
         arrivals.detach(unique)
@@ -236,7 +236,7 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
                     raise
                 # the time left of gather's own timeout, not that, is in result()'s message
                 raise errors.TimeoutError(
-                    f"{f!r} not ready after {timeout:g} s (mf.gather's timeout)") from None
+                    f"{f!r} not ready after {float(timeout):g} s (mf.gather's timeout)") from None
             except Exception as e:
                 # which of many calls failed (a sweep's parameter): said in a
                 # note, the exception itself unchanged (Python 3.11 on)
