@@ -2067,3 +2067,32 @@ def test_a_collective_whose_value_cannot_be_pickled_fails_on_every_context(trans
         assert "an earlier collective of the run (#1" in second, got
     with pytest.raises(mf.CollectiveError, match=r"what context 1 gives cannot be sent"):
         mf.spmd(_unpicklable_value, kind, n=2, transport=transport)
+
+
+def typed_buffers_and_numpy_scalars():
+    import array
+    aa = array.array("d", [1.0, 2.0, 3.0])
+    ga = mf.register(aa)
+    cast = mf.register(memoryview(bytearray(16)).cast("i"))
+    raw = mf.register(bytearray(4))
+    mf.put(ga[0], 5.0).wait()
+    gp = mf.register(np.zeros(2))
+    mf.put(gp[0], np.int64(3)).wait()
+    mf.put(gp[1], np.float32(2.5)).wait()
+    gi = mf.register(np.zeros(1, np.int32))
+    refused = []
+    for bad in (np.float64(1.5), np.int64(2**40)):
+        try:
+            mf.put(gi[0], bad)
+        except TypeError as e:
+            refused.append(str(e).split(":")[1].strip()[:10])
+    return ([str(g.dtype) for g in (ga, cast, raw)], len(ga), list(aa),
+            mf.get(gp).wait().tolist(), refused)
+
+
+def test_typed_buffers_register_with_their_type_and_numpy_scalars_put_as_numbers(transport):
+    # an array.array("d") registered as 24 uint8 bytes; np.int64(3) into
+    # float64 memory was refused while 3 and [np.int64(3)] were taken
+    assert mf.spmd(typed_buffers_and_numpy_scalars, n=1, transport=transport) == [
+        (["float64", "int32", "uint8"], 3, [5.0, 2.0, 3.0], [3.0, 2.5],
+         ["data holds", "data canno"])]

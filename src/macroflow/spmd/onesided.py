@@ -179,10 +179,19 @@ def register(buffer: Any) -> MemoryPointer:
         arr = buffer
     else:
         try:
-            arr = np.frombuffer(memoryview(buffer), dtype=np.uint8)
+            view = memoryview(buffer)
         except TypeError:
             raise TypeError(f"mf.register(): buffer must be a numpy array or a bytes-like "
                             f"object; got {type(buffer).__name__}") from None
+        arr = None
+        if view.format.lstrip("@=<>!") not in ("B", "b", "c"):
+            # typed items (array.array("d"), a cast memoryview): as numpy reads them
+            try:
+                arr = np.asarray(view)
+            except (TypeError, ValueError):
+                arr = None
+        if arr is None:
+            arr = np.frombuffer(view, dtype=np.uint8)
     if arr.dtype.hasobject:
         raise TypeError(f"mf.register(): an array of dtype {arr.dtype} holds Python objects, "
                         f"not data another process can copy; register an array of numbers")
@@ -372,6 +381,8 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
         raise TypeError(f"mf.put(): data is a str; put bytes (data.encode()) into memory of "
                         f"1-byte items, or {_elements(len(gp))} of {dt}")
     else:
+        if isinstance(data, np.generic) and data.dtype.kind in "biufc":
+            data = data.item()  # a number, as a Python number is (not a buffer of its type)
         try:
             view: Optional[memoryview] = memoryview(data)
         except TypeError:
