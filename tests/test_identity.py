@@ -238,6 +238,26 @@ def test_gather_and_wait_on_futures_of_an_ended_computation_name_it(transport):
             op()
 
 
+def test_futures_with_their_values_here_keep_them_after_their_computation(transport):
+    # result() returned their values; gather and wait raised StaleReference,
+    # and wait(FIRST_COMPLETED) and as_completed only inside a computation
+    kept = []
+
+    def main():
+        kept.extend([Echo().echo(2), Echo().echo(3)])
+        return mf.gather(kept)
+
+    def every_way():
+        return (mf.gather(kept), mf.wait(kept) == (kept, []),
+                mf.wait(kept, return_when=mf.FIRST_COMPLETED) == (kept, []),
+                [f.result() for f in mf.as_completed(kept)])
+
+    mf.run(main, contexts=2, transport=transport)
+    want = ([2, 3], True, True, [2, 3])
+    assert mf.run(every_way, contexts=2, transport=transport) == want  # in another
+    assert every_way() == want  # and with none running
+
+
 def test_a_handle_of_another_computation_is_refused_as_an_argument(transport):
     kept = []
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..core import errors
 from ..core.context import check_timeout, current_engine
-from ..core.future import Arrivals, Future, stale_future
+from ..core.future import FINISHED, Arrivals, Future, stale_future
 
 
 
@@ -19,11 +19,17 @@ def _deadline(timeout: Any) -> Optional[float]:
 
 
 def _engine_for(fs: List[Future]) -> Any:
-    # futures of an ended computation say so, rather than "not running"
+    """The engine that waits for ``fs``; None if every one has its value here
+    already (it keeps it, whatever became of its computation, as result()
+    does). A future of an ended computation still waited for says so,
+    rather than "not running"."""
+    pending = [f for f in fs if f._state != FINISHED]
+    if not pending:
+        return None
     try:
         return current_engine()
     except RuntimeError:
-        for f in fs:
+        for f in pending:
             if f._engine.closed:
                 raise stale_future(f) from None
         raise
@@ -93,9 +99,12 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None,
     if not fs:
         return [], []
     eng = _engine_for(fs)
+    if eng is None:
+        return list(fs), []
     if return_when == ALL_COMPLETED:
         for f in fs:
-            eng.request_value(f)
+            if f._state != FINISHED:
+                eng.request_value(f)
         for f in fs:
             if f.done():
                 continue
@@ -223,8 +232,8 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
     if not fs:  # nothing to wait for (as mf.wait([]) does): no computation needed
         return list(items)
     eng = _engine_for(fs)
-    for f in items:
-        if isinstance(f, Future):
+    for f in fs:
+        if f._state != FINISHED:
             eng.request_value(f)
     out = []
     for i, f in enumerate(items):
