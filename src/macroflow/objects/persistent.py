@@ -292,7 +292,8 @@ def destroy(handle: Any) -> Future:
     """Destroy a persistent object after the calls already sent to it; returns a Future.
 
     Later calls fail with :class:`macroflow.ObjectDestroyed`. A method named
-    ``__mf_destroy__`` on the class, if any, runs last.
+    ``__mf_destroy__`` on the class, if any, runs last. A collection
+    (:class:`macroflow.Collection`) is destroyed with all its elements.
 
     Raises:
         TypeError: ``handle`` is not the handle of a persistent object.
@@ -310,6 +311,9 @@ def destroy(handle: Any) -> Future:
         'ObjectDestroyed'
     """
     if not isinstance(handle, PersistentHandle):
+        gone = getattr(type(handle), "__mf_destroy__", None)
+        if gone is not None and not isinstance(handle, type):
+            return gone(handle)  # something made of objects (a collection): all of them
         if isinstance(handle, RegularHandle):
             raise TypeError(f"mf.destroy() ends a persistent object; {handle!r} is a handle to a "
                             f"regular class, whose instances the runtime makes and reuses itself")

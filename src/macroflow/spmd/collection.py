@@ -226,6 +226,18 @@ class _Host:
         return gp
 
 
+    def __mf_destroy__(self) -> None:
+        # the collection is destroyed: its arrays' registrations (which keep
+        # them alive) and its elements go
+        for _arr, gp in self.pointers.values():
+            try:
+                unregister(gp)
+            except Exception:
+                pass  # (already unregistered)
+        self.pointers.clear()
+        self.elements.clear()
+
+
 def _attribute(element: Any, attr: str) -> Any:
     try:
         return getattr(element, attr)
@@ -256,6 +268,9 @@ class _Combine:
 
     def combine(self, parts: List[List[Any]], distribution: str, ncontexts: int) -> List[Any]:
         return _in_order(parts, distribution, ncontexts)
+
+    def all_done(self, parts: List[Any]) -> None:
+        return None
 
 
 class _ElementHandle:
@@ -583,6 +598,36 @@ class Collection:
         # on the caller's context: the parts come straight there, where the
         # list is most likely wanted, and nothing queues behind it at a host
         return _Combine.create(on=eng.id).combine(parts, self._distribution, len(self._where))
+
+    def destroy(self) -> Future:
+        """Destroy every element, on every context, once the calls already
+        made to them have run; the pointers given out to their arrays are
+        unregistered. Returns a Future of None, done when all are gone.
+        ``mf.destroy(coll)`` does the same.
+
+        A collection lives until the computation ends otherwise: one made
+        for a step and dropped keeps its elements' memory.
+
+        Raises:
+            macroflow.StaleReference: the collection is of another computation.
+
+        Example:
+            >>> import macroflow as mf
+            >>> class Cell:
+            ...     def __init__(self, index): self.value = index
+            ...     def get(self): return self.value
+            >>> def main():
+            ...     coll = mf.Collection(Cell, 4)
+            ...     coll.destroy().result()
+            ...     return type(coll.apply("get").exception()).__name__
+            >>> mf.run(main, contexts=2, transport="inproc")
+            'ObjectDestroyed'
+        """
+        current_engine_of(self._comp, "collection", self)
+        gone = [destroy(h) for h in self._hosts]
+        return _Combine.create(on=current_engine().id).all_done(gone)
+
+    __mf_destroy__ = destroy
 
     # -- inside a context
     def local(self) -> List[Tuple[Index, Any]]:
