@@ -218,6 +218,40 @@ def test_under_mpiexec_gets_read_through_an_mpi_window(tmp_path):
     assert p.stdout.strip().splitlines()[-1] == str([((3, 1, 1), True)] * 3)
 
 
+SLEEPING_OWNER = textwrap.dedent("""
+    import time
+    import numpy as np
+    import macroflow as mf
+
+    def main():
+        mine = np.ones(1)
+        ptrs = mf.allgather(mf.register(mine))
+        took = []
+        if mf.rank() == 0:
+            for _ in range(40):
+                t = time.perf_counter()
+                mf.get(ptrs[1]).wait(timeout=30)
+                took.append(time.perf_counter() - t)
+        else:
+            time.sleep(3)  # its method sleeps: the service answers
+        mf.barrier()
+        return sorted(took[20:])[10] if took else None
+
+    print(mf.spmd(main)[0])
+""")
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_a_sleeping_owner_keeps_answering_gets_at_once(tmp_path):
+    # after about 12 requests its wake-up socket was full (never read while
+    # signals served it), later wake-ups were dropped, and each get waited
+    # for the service's next round: 50 ms
+    p = _under_mpiexec(tmp_path, SLEEPING_OWNER, 2, MACROFLOW_ONESIDED="message")
+    assert p.returncode == 0, p.stderr
+    median = float(p.stdout.strip().splitlines()[-1])
+    assert median < 0.01, median
+
+
 LARGE_ALLREDUCES = """
     import numpy as np
     import macroflow as mf

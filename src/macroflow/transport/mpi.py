@@ -1620,11 +1620,18 @@ class MpiTransport(Transport):
             # a writer that woke us cleared NAP: flag it again before this
             # look, or its next frame would raise no signal
             self.nap(True)
+        woke = 0
+        if timeout == 0 and self.signalling and self.waker is not None:
+            # served from a signal: its wake-ups are read whatever brings the
+            # frames (the socket holds 10; with them unread, a peer's next
+            # wake-up, and so its signal, was dropped: requests to a rank
+            # whose method slept waited for the service's 50 ms round)
+            woke = self.waker.drain()
         if self._progress() or self._aside:
             self._aside = False
             return True
         if timeout == 0:
-            if self.signalling and self.waker is not None and self.waker.drain():
+            if woke:
                 # served from a signal while user code runs: a peer woke us
                 # for a frame MPI does not show yet (between ranks without a
                 # ring it may take a while): look for it now, as a woken
