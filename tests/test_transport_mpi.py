@@ -1193,6 +1193,21 @@ def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
     assert out.stderr.count("defines no function main()") == 1, out.stderr
 
 
+@pytest.mark.parametrize("given, said", [
+    (["-n", "3"], "-n 3, but mpiexec started 2 ranks"),
+    (["--transport", "local"], "--transport local under mpiexec"),
+])
+def test_macroflow_run_options_that_contradict_mpiexec_are_said_once(tmp_path, given, said):
+    # (every rank printed a traceback from inside mf.spmd: "mf.spmd(): n=3, ...")
+    script = tmp_path / "job.py"
+    script.write_text("import macroflow as mf\ndef main():\n    return mf.rank()\n")
+    out = subprocess.run([M._find_mpiexec(), "-n", "2", sys.executable, "-m", "macroflow", "run",
+                          *given, "--spmd", str(script)], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert out.returncode != 0
+    assert out.stderr.count(said) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
 ADDED_UNDER_MPIEXEC = """
     import macroflow as mf
 

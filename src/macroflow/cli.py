@@ -106,6 +106,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     problem = script_problem(args.script)
     if problem is not None:
         args.parser.error(problem)
+    world = world_from_environment()
+    if world is not None and world[1] > 1:  # started by mpiexec: every rank runs this
+        wrong = None
+        if args.n is not None and args.n != world[1]:
+            wrong = (f"-n {args.n}, but mpiexec started {world[1]} ranks, one context each: "
+                     f"give -n {world[1]}, or leave -n out")
+        elif args.transport not in (None, "mpi"):
+            wrong = (f"--transport {args.transport} under mpiexec: its ranks are one MPI job; "
+                     f"give --transport mpi, or leave --transport out")
+        if wrong is not None:  # a usage error, said once (by rank 0)
+            _script_fault(lambda: (args.parser.print_usage(sys.stderr),
+                                   print(f"macroflow run: error: {wrong}", file=sys.stderr)))
+            return 2
     if launch_mpiexec:
         try:  # a script that cannot compile fails here, not once per rank
             with open(args.script, "rb") as f:
