@@ -686,6 +686,22 @@ def test_the_command_line_names_what_is_wrong_in_the_commands_own_words(argv, wo
     assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_macroflow_run_shows_a_lost_context_without_a_traceback_of_runtime_frames(tmp_path):
+    # (the error ended with a traceback of one frame: future.py's "raise self._exc")
+    script = tmp_path / "lost.py"
+    script.write_text("import os\nimport macroflow as mf\n\ndef main():\n"
+                      "    if mf.rank() == 1:\n        os._exit(3)\n    mf.barrier()\n")
+    r = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", "--spmd",
+                        str(script)], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 1
+    last = r.stderr.strip().split("The above exception was the direct cause")[-1]
+    assert last.strip().splitlines() == [
+        "of the following exception:", "",
+        last.strip().splitlines()[-1]], r.stderr
+    assert "exited with code 3" in last and "ContextLost" in last, r.stderr
+
+
 def test_macroflow_run_shows_a_scripts_error_from_the_scripts_own_code(tmp_path):
     script = tmp_path / "raises.py"
     script.write_text("def helper():\n    raise ValueError('from the script')\n\n"

@@ -213,9 +213,10 @@ def _print_from_script(e: BaseException) -> None:
     import traceback
     here = os.path.dirname(os.path.abspath(__file__))
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None and \
-            os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here):
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here):
         tb = tb.tb_next
+    # (none of the script's frames: the error alone, after its cause, which
+    # says where; a traceback of the runtime's frames said nothing more)
     traceback.print_exception(type(e), e, tb)
 
 
