@@ -113,25 +113,13 @@ def wait(futures: Iterable[Any], timeout: Optional[float] = None,
             except TimeoutError:
                 break
     else:
-        unique = list({id(f): f for f in fs}.values())  # each future once
-        arrivals = Arrivals()
+        arriving = _arriving(eng, fs, timeout, deadline, late=None)
         try:
-            arrivals.attach(unique)
-            left = len(unique)
-            seen: set = set()
-            while True:
-                while arrivals.queue:
-                    f = arrivals.queue.popleft()
-                    if id(f) in seen:
-                        continue
-                    seen.add(id(f))
-                    left -= 1
-                    if return_when == FIRST_COMPLETED or f._exc is not None:
-                        left = 0
-                if left <= 0 or not eng.wait_arrival(arrivals, _left(deadline), unique):
+            for f in arriving:
+                if return_when == FIRST_COMPLETED or f._exc is not None:
                     break
         finally:
-            arrivals.detach(unique)
+            arriving.close()  # (its futures' callbacks go now, not when it is collected)
     done = [f for f in fs if f.done()]
     return done, [f for f in fs if not f.done()]
 
@@ -161,31 +149,29 @@ def as_completed(futures: Iterable[Any], timeout: Optional[float] = None) -> Ite
     fs = _futures(futures, "as_completed")
     deadline = _deadline(timeout)
     # (checked here, not at the first next(): a generator's errors come late)
-    return _completed(_engine_for(fs) if fs else None, fs, timeout, deadline)
+    return _arriving(_engine_for(fs) if fs else None, fs, timeout, deadline,
+                     late=errors.TimeoutError)
 
 
-def _completed(eng: Any, fs: List[Future], timeout: Optional[float],
-               deadline: Optional[float]) -> Iterator[Future]:
-    if not fs:
-        return
+def _arriving(eng: Any, fs: List[Future], timeout: Optional[float], deadline: Optional[float],
+              late: Optional[type]) -> Iterator[Future]:
+    """Each of ``fs`` once, as its value arrives here (those here already
+    first, in order). Once ``deadline`` passes with some still to come:
+    raise ``late``, or end if it is None."""
     unique = list({id(f): f for f in fs}.values())
     arrivals = Arrivals()
     try:
         arrivals.attach(unique)
         left = len(unique)
-        seen: set = set()
         while left:
             while arrivals.queue:
-                f = arrivals.queue.popleft()
-                if id(f) not in seen:
-                    seen.add(id(f))
-                    left -= 1
-                    yield f
-            if left and not arrivals.queue and not eng.wait_arrival(arrivals, _left(deadline),
-                                                                  unique):
-                raise errors.TimeoutError(
-                    f"{left} of {len(unique)} futures not ready after {float(timeout):g} s "
-                    f"(mf.as_completed's timeout)")
+                left -= 1
+                yield arrivals.queue.popleft()
+            if left and not eng.wait_arrival(arrivals, _left(deadline), unique):
+                if late is None:
+                    return
+                raise late(f"{left} of {len(unique)} futures not ready after "
+                           f"{float(timeout):g} s (mf.as_completed's timeout)")  # type: ignore
     finally:
         arrivals.detach(unique)
 
