@@ -881,3 +881,18 @@ def test_a_ctrl_c_while_a_fork_waits_for_a_service_is_raised_after_the_fork():
                          text=True, timeout=50)
     assert out.stdout.splitlines() == ["service released its lock", "interrupted after the fork"]
     assert "Exception ignored" not in out.stderr and "RuntimeError" not in out.stderr, out.stderr
+
+
+def test_macroflow_run_waits_for_the_ranks_to_end_before_it_removes_their_pages():
+    # (it swept them while the ranks still ran, when mpiexec ended first)
+    import threading
+    from macroflow.cli import _wait_gone
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE)
+    threading.Timer(0.3, p.stdin.close).start()  # it ends once its input does
+    threading.Thread(target=p.wait).start()  # (reaped, as its manager would)
+    _wait_gone([p.pid], 30.0)
+    assert p.poll() is not None
+    t = time.monotonic()
+    _wait_gone([p.pid], 30.0)  # gone: at once
+    assert time.monotonic() - t < 1.0

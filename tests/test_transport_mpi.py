@@ -819,6 +819,33 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
     assert "after finalizing" not in out + err and "assert" not in err, err
 
 
+SLEEPS_IN_A_BARRIER = """
+    import sys, time
+    import macroflow as mf
+
+    def main():
+        if mf.rank() == 1:
+            open(sys.argv[1], "w").write("waiting")
+            time.sleep(60)
+        mf.barrier()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_at_the_terminal_under_macroflow_run_mpi_leaves_no_shared_pages(tmp_path):
+    # mpiexec's proxy, hit by the same Ctrl-C as mpiexec, may fail and end
+    # before the ranks it kills: the pages were swept while they still ran,
+    # and stayed (3 runs in 5)
+    import glob
+    before = set(glob.glob("/dev/shm/macroflow-mpi-*"))
+    for _ in range(3):
+        code, out, err, took = _interrupt_macroflow_run(tmp_path, SLEEPS_IN_A_BARRIER,
+                                                        ["--spmd"], "its process group")
+        assert code == 130 and took < 30, (code, err)
+        assert set(glob.glob("/dev/shm/macroflow-mpi-*")) <= before, err
+        (tmp_path / "flag").unlink()
+
+
 ADDS_A_CONTEXT = """
     import macroflow as mf
 

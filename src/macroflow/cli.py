@@ -441,10 +441,33 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
                 # the same os._exit(3))
                 code = watcher.exit_code(output) or code
             # an aborted job leaves MPICH's shared-memory files behind, and the
-            # ranks' shared pages
+            # ranks' shared pages: removed once its ranks here are gone (mpiexec
+            # may end first: its proxy failed at a Ctrl-C sent to everyone)
+            import socket
+            _wait_gone([pid for pid, (_rank, host) in watcher.rows.items()
+                        if host == socket.gethostname()], 5.0)
             remove_unused(mpich_shm_files() - shm_before)
             _sweep_pages()
         return code
+
+
+def _wait_gone(pids: List[int], most: float) -> None:
+    """Wait until none of ``pids`` runs (or has not been reaped), ``most``
+    seconds at most.
+
+    Example:
+        >>> _wait_gone([], 1.0)   # nothing to wait for
+    """
+    deadline = time.monotonic() + most
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except OSError:
+                break  # (another user's: not ours to wait for)
+            time.sleep(0.01)
 
 
 def _relay_output(stream: Any, report: List[bytes]) -> None:
