@@ -1799,3 +1799,22 @@ def test_a_handle_with_large_constructor_arguments_passed_on_and_placed_anywhere
         return set(direct), relayed
 
     assert run(main, contexts=3) == ({(8194.0, 7)}, [(8193.0, 7)] * 4)
+
+
+def test_a_retiring_context_relays_a_shrunk_call_whole():
+    # a call whose sender sent only the key of its constructor arguments (it
+    # had sent them to this context before) goes to the heir with them
+    from macroflow.core import marshal
+    from macroflow.core.context import CALL, _encode
+    from macroflow.objects.hosting import REGULAR, ctor_key
+
+    args = (np.arange(2048.0),)
+    key, size = ctor_key(args, {})
+    with mf.init(contexts=1, transport="inproc"):
+        eng = current_engine()
+        eng.models["objects"].ctor_held[5] = {key: (args, {}, size)}
+        data, more = _encode((CALL, (5, 1), REGULAR, (_Weights, key), "total", (), {}, None, 4, 5))
+        data, *more = eng._whole_call(5, [data, *more])
+        msg = marshal.loads(data, more)
+    cls, cargs, ckw, k, n = msg[3]
+    assert (cls, ckw, k, n) == (_Weights, {}, key, size) and (cargs[0] == args[0]).all()

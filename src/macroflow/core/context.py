@@ -1094,6 +1094,8 @@ class Engine:
                     bufs = [data, *more]
                 b0 = bufs[0]
                 if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
+                    if self.shrinks and _peek_op(b0) == CALL:
+                        bufs = self._whole_call(src, bufs)
                     self._relay_frame(bufs)
                     continue
                 if b0[0] == _V:
@@ -1814,6 +1816,19 @@ class Engine:
             self.send(0, (LEFT,))
             self.transport.flush()
             self.stopping = True
+
+    def _whole_call(self, src: int, bufs: List[Any]) -> List[Any]:
+        """A CALL frame to relay to the heir, with the target its sender may
+        have shrunk for this context made whole (see CallKind.outgoing): the
+        heir could not make it whole itself."""
+        try:
+            msg = _ploads(bufs[0], buffers=bufs[1:])
+        except Exception:
+            return bufs  # (the heir says what is wrong with it)
+        if msg[2] not in self.shrinks:
+            return bufs
+        data, more = _encode(self.call_kinds[msg[2]].incoming(msg, src))  # type: ignore
+        return [data, *more]
 
     def _relay_frame(self, bufs: List[Any]) -> None:
         # received buffers may be reused once this returns: copies go on

@@ -132,7 +132,7 @@ class ObjectHost(Model):
         # here, by key. A sender says which of its keys to forget, so both
         # sides agree on what is here without a message of their own.
         self.ctor_sent: Dict[int, "collections.OrderedDict[bytes, None]"] = {}
-        self.ctor_held: Dict[int, Dict[bytes, Tuple[tuple, dict]]] = {}
+        self.ctor_held: Dict[int, Dict[bytes, Tuple[tuple, dict, int]]] = {}
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
 
@@ -717,8 +717,8 @@ class RegularCalls(_HostedKind):
             cls, key = target
             got = held.get(src, {}).get(key)
             if got is None:
-                # (a frame relayed by a context that retired comes from it,
-                # not from its sender: any sender's copy is the same value)
+                # (not expected: a context that retires makes relayed calls
+                # whole; any sender's copy is the same value)
                 got = next((h[key] for h in held.values() if key in h), None)
             target = (cls, None, None, key, 0) if got is None else (cls, *got[:2], key, got[2])
         return msg[:3] + (target,) + msg[4:]
