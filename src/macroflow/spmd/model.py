@@ -210,7 +210,8 @@ class Handle:
         if timeout is None or f._state == FINISHED:  # (math.inf: None)
             if f._state != FINISHED:  # f.result(), inline: a remote action's commonest wait
                 self._eng.wait_future(f, None)
-                self._check_run()
+                if not next(_TICKS) & _SERVE_EVERY:
+                    self._check_run()  # (served while it waited)
             elif not next(_TICKS) & _SERVE_EVERY:
                 self._eng.poll_user()  # (see _SERVE_EVERY)
             if f._exc is not None:
@@ -240,7 +241,8 @@ class Handle:
 # A loop of handles done at once (gets and puts that copy shared memory
 # themselves) would never serve: one reading a flag that a failed context
 # would have set polled for ever. Every 64th such test() or wait() serves
-# what has arrived, as mf.poll() does, and raises if the run cannot complete.
+# what has arrived, as mf.poll() does, and raises if the run cannot complete;
+# every 64th wait that waited (it served meanwhile) raises so too.
 _SERVE_EVERY = 63
 _TICKS = itertools.count(1)
 
