@@ -1818,3 +1818,69 @@ def test_a_retiring_context_relays_a_shrunk_call_whole():
         msg = marshal.loads(data, more)
     cls, cargs, ckw, k, n = msg[3]
     assert (cls, ckw, k, n) == (_Weights, {}, key, size) and (cargs[0] == args[0]).all()
+
+
+@mf.regular
+class _Table1:
+    def __init__(self, table):
+        self.table = table
+
+    def first(self):
+        return float(self.table[0])
+
+
+def test_a_regular_handles_constructor_arguments_are_taken_at_its_first_call(run):
+    # the array changed after the first call went to contexts reached later
+    # under the first call's key: a fresh handle of zeros was served sevens
+    def main():
+        buf = np.zeros(100_000)
+        h = _Table1(buf)
+        first = h.first().result(30)
+        buf[:] = 7.0  # the caller reuses its buffer
+        old = set(mf.gather([h.first() for _ in range(8)], timeout=30))
+        fresh = set(mf.gather([_Table1(np.zeros(100_000)).first() for _ in range(8)], timeout=30))
+        new = set(mf.gather([_Table1(buf).first() for _ in range(8)], timeout=30))
+        return first, old, fresh, new
+
+    assert run(main, contexts=3) == (0.0, {0.0}, {0.0}, {7.0})
+
+
+def test_calls_passed_on_carry_only_the_key_of_arguments_already_there(run, transport):
+    # a timed wait passes context 0's calls on: each took the 2 MB table along
+    def main():
+        h = _Weights(np.ones(250_000))  # 2 MB, placed by the runtime
+        mf.gather([h.total() for _ in range(6)], timeout=60)  # every context has it
+        before = mf.stats()[0]["bytes_sent"]
+        got = mf.gather([h.total(i) for i in range(30)], timeout=60)
+        moved = mf.stats()[0]["calls_transferred"]
+        return got == [(250_000.0 + i, 0) for i in range(30)], \
+            mf.stats()[0]["bytes_sent"] - before, moved
+
+    same, sent, moved = run(main, contexts=3)
+    assert same and sent < 1_000_000, (sent, moved)
+
+
+def test_a_call_to_its_own_context_does_not_copy_large_constructor_arguments(run):
+    # (context 0 pickled its 16 MB table for each of its own calls: 13 ms a call)
+    import time as _time
+
+    def main():
+        h = _Table1.create(np.ones(2_000_000), on=0)
+        h.first().result(30)
+        t = _time.perf_counter()
+        mf.gather([h.first() for _ in range(20)], timeout=60)
+        return (_time.perf_counter() - t) / 20
+
+    assert run(main, contexts=2) < 0.004
+
+
+def test_more_large_argument_sets_than_eight_used_in_turn_go_once_each(run):
+    # the caller kept 8: cycling through 9 sent every call's table again
+    def main():
+        hs = [_Table1.create(np.full(125_000, float(k)), on=1) for k in range(9)]  # 1 MB each
+        before = mf.stats()[0]["bytes_sent"]
+        for _ in range(5):
+            assert [h.first().result(30) for h in hs] == [float(k) for k in range(9)]
+        return mf.stats()[0]["bytes_sent"] - before
+
+    assert run(main, contexts=2) < 10_500_000

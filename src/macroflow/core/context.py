@@ -581,7 +581,7 @@ class Engine:
         queued = plain and arcs is None and dest == self.id and self.relay_to is None \
             and _shareable(target)
         sent = target
-        if dest != self.id and kind in self.shrinks and dest not in self.lost:
+        if not queued and kind in self.shrinks and dest not in self.lost:
             sent = self.call_kinds[kind].outgoing(target, dest)  # type: ignore[attr-defined]
         msg = (CALL, fid, kind, sent, method, args, kwargs, arcs, route, caller)
         try:

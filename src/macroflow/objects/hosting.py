@@ -131,7 +131,8 @@ class ObjectHost(Model):
         # each, least recently used first, and the arguments each sender sent
         # here, by key. A sender says which of its keys to forget, so both
         # sides agree on what is here without a message of their own.
-        self.ctor_sent: Dict[int, "collections.OrderedDict[bytes, None]"] = {}
+        self.ctor_sent: Dict[int, "collections.OrderedDict[bytes, int]"] = {}  # key -> size
+        self.ctor_sent_bytes: Dict[int, int] = {}  # the sizes of those, by context
         self.ctor_held: Dict[int, Dict[bytes, Tuple[tuple, dict, int]]] = {}
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
@@ -195,6 +196,7 @@ class ObjectHost(Model):
 
     def lost(self, peer: int) -> None:
         self.ctor_sent.pop(peer, None)
+        self.ctor_sent_bytes.pop(peer, None)
         self.ctor_held.pop(peer, None)
         for oid in self.unborn.pop(peer, ()):
             obj = self.objects.get(oid)
@@ -646,8 +648,8 @@ class RegularCalls(_HostedKind):
             return False  # an argument failed: failing the call here is quick
         route = (call.route & EAGER) | PINNED
         eng.active -= 1
-        eng._move(call, dest, (CALL, call.fid, call.kind, call.target, call.method, args,
-                               kwargs, None, route, call.caller))
+        eng._move(call, dest, (CALL, call.fid, call.kind, self.outgoing(call.target, dest),
+                               call.method, args, kwargs, None, route, call.caller))
         return True
 
     def _maybe_transfer(self, call: Call, msg: tuple, src: int) -> bool:
@@ -663,7 +665,8 @@ class RegularCalls(_HostedKind):
             return False
         if src == eng.id:
             eng.active -= 1
-        eng._move(call, dest, (CALL,) + msg[1:8] + (((hops + 1) << 2) | (msg[8] & 3), msg[9]))
+        eng._move(call, dest, (CALL,) + msg[1:3] + (self.outgoing(msg[3], dest),) + msg[4:8]
+                  + (((hops + 1) << 2) | (msg[8] & 3), msg[9]))
         return True
 
     def outgoing(self, target: tuple, dest: int) -> tuple:
@@ -679,11 +682,15 @@ class RegularCalls(_HostedKind):
         if key in sent:
             sent.move_to_end(key)
             return (target[0], key)
-        sent[key] = None
-        forget: tuple = ()
-        if len(sent) > CTOR_HELD:
-            forget = (sent.popitem(last=False)[0],)
-        return target + (forget,)
+        sent[key] = target[4]
+        held = self.host.ctor_sent_bytes[dest] = self.host.ctor_sent_bytes.get(dest, 0) + target[4]
+        forget = []
+        while len(sent) > 1 and (len(sent) > CTOR_HELD or held > CTOR_HELD_BYTES):
+            k, n = sent.popitem(last=False)  # the least recently used set
+            forget.append(k)
+            held -= n
+        self.host.ctor_sent_bytes[dest] = held
+        return target + (tuple(forget),)
 
     def unsent(self, sent: tuple, dest: int) -> None:
         """``outgoing``'s ``sent`` did not go (a method argument could not be
@@ -691,9 +698,11 @@ class RegularCalls(_HostedKind):
         if len(sent) == 6:
             mine = self.host.ctor_sent.get(dest)
             if mine is not None:
-                mine.pop(sent[3], None)
+                # (the sizes of those it would have had forgotten are not
+                # kept: they count as none until sent again)
+                self.host.ctor_sent_bytes[dest] -= mine.pop(sent[3], 0)
                 for k in sent[5]:
-                    mine[k] = None
+                    mine[k] = 0
                     mine.move_to_end(k, last=False)
 
     def incoming(self, msg: tuple, src: int) -> tuple:
@@ -770,8 +779,50 @@ REGULAR_POOL_KEYS = 64
 #: constructor arguments this large (pickled, in bytes) go once to each
 #: context, then only their key; smaller ones go with every call
 CTOR_ONCE = 4096
-#: sets of large constructor arguments a context keeps for each sender
-CTOR_HELD = 8
+#: sets of large constructor arguments a context keeps for each sender, the
+#: least recently used going first, and their bytes at most (the last set
+#: is kept whatever its size)
+CTOR_HELD = 32
+CTOR_HELD_BYTES = 256 << 20
+
+
+def ctor_capture(cargs: tuple, ckw: dict) -> Tuple[tuple, dict, Optional[bytes], int]:
+    """Constructor arguments taken as values: a copy of them, their key and
+    size (see :func:`ctor_key`). A handle keeps the copy, so that what it sends
+    is always what its key says, whatever the caller does to the originals.
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(4)
+        >>> (copy,), kw, key, size = ctor_capture((a,), {})
+        >>> a[:] = 7
+        >>> copy.tolist(), key == ctor_key((np.zeros(4),), {})[0]
+        ([0.0, 0.0, 0.0, 0.0], True)
+    """
+    if not (cargs or ckw):
+        return cargs, ckw, None, 0
+    data, bufs = marshal.dumps((cargs, ckw))
+    key, size = _digest(data, bufs)
+    copies = [bytearray(_view(b)) for b in bufs]
+    cargs, ckw = marshal.loads(data, copies)
+    return cargs, ckw, key, size
+
+
+def _view(b: Any) -> memoryview:
+    try:
+        return b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b)
+    except BufferError:  # (not contiguous: its bytes, copied)
+        return memoryview(memoryview(b).tobytes())
+
+
+def _digest(data: bytes, bufs: List[Any]) -> Tuple[bytes, int]:
+    digest = hashlib.blake2b(data, digest_size=16)
+    size = len(data)
+    for b in bufs:
+        view = _view(b)
+        digest.update(view)
+        size += view.nbytes
+    return digest.digest(), size
 
 
 def ctor_key(cargs: tuple, ckw: dict) -> Tuple[Optional[bytes], int]:
@@ -789,17 +840,7 @@ def ctor_key(cargs: tuple, ckw: dict) -> Tuple[Optional[bytes], int]:
     """
     if not (cargs or ckw):
         return None, 0
-    data, bufs = marshal.dumps((cargs, ckw))
-    digest = hashlib.blake2b(data, digest_size=16)
-    size = len(data)
-    for b in bufs:
-        try:
-            view = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b)
-        except BufferError:  # (not contiguous: its bytes, copied)
-            view = memoryview(memoryview(b).tobytes())
-        digest.update(view)
-        size += view.nbytes
-    return digest.digest(), size
+    return _digest(*marshal.dumps((cargs, ckw)))
 
 
 def _enqueue(obj: HostedObject, call: Call) -> bool:

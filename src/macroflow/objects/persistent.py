@@ -31,7 +31,7 @@ from ..core.future import CallSite, Future, current_engine_of, running_computati
 from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
-from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR, ctor_key
+from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR, ctor_capture
 from .methods import constructor_info, method_info
 
 T = TypeVar("T", bound=type)
@@ -196,15 +196,17 @@ class RegularHandle(_Handle):
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = _engine_of(self)
         target = self._target
-        if target is None:  # pickled once per handle (a copy elsewhere, once there)
+        if target is None:
+            # taken as values at the first call (a copy elsewhere, at its first
+            # call there): what goes out later is what the key says
             try:
-                key, size = ctor_key(self._args, self._kwargs)
+                cargs, ckw, key, size = ctor_capture(self._args, self._kwargs)
             except Exception as e:  # a __reduce__ may raise anything
                 raise CallError(
                     f"cannot send the constructor arguments of {self._cls.__qualname__}() "
                     f"(they go with its calls: {info.label} here): {type(e).__name__}: {e}"
                 ) from e
-            target = self._target = (self._cls, self._args, self._kwargs, key, size)
+            target = self._target = (self._cls, cargs, ckw, key, size)
         if self._on is not None:
             dest, pinned = self._on, True
         else:
