@@ -34,6 +34,8 @@ import socket
 import time
 from typing import Callable, Dict, List, Optional
 
+from .core.threads import fork
+
 _MAX_PACKET = 1 << 24
 
 
@@ -49,7 +51,7 @@ def start(child_main: Callable[..., None], close_fds: List[socket.socket]) -> "F
         True
     """
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
+    pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
     if pid == 0:  # pragma: no cover - runs in the server
         code = 0
         try:

@@ -49,6 +49,7 @@ from . import launch as _launch
 from .core import context as _ctx
 from .core import marshal
 from .core.context import MEMBERS, Engine
+from .core.threads import fork
 from .launch import ForkLauncher, node_name
 from .transport.local import LocalTransport, Mesh
 from .transport.multi import GUEST_BASE, MultiTransport
@@ -490,7 +491,7 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
     pids: Dict[int, int] = {}
     for i, ctx in enumerate(ids):
         mesh_listener = mesh.listen(ctx)
-        pid = os.fork()
+        pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
         if pid == 0:  # pragma: no cover - runs in the context's process
             code = 0
             eng = None

@@ -40,6 +40,7 @@ from .core.context import JOINED, MEMBERS, SHUTDOWN, Engine
 from .core.errors import LimitError
 from .core.future import forget_learned
 from .core.placement import Placement
+from .core.threads import fork
 from . import forkserver
 from .transport.base import REGISTRY
 
@@ -187,7 +188,13 @@ class Session:
         self.computation = new_computation_id()
         forget_learned()  # what an earlier computation here learned (see CallSite)
         self.launcher: Launcher = (make_launcher or load_transport(transport).launcher)(self)
-        self.engine = self.launcher.start(placement, spin_us)
+        try:
+            self.engine = self.launcher.start(placement, spin_us)
+        except KeyboardInterrupt:
+            # Ctrl-C while the contexts start: those started so far are stopped
+            with _sigint_ignored():
+                self.launcher.stop()
+            raise
         _ctx._state.default = self.engine
         _sessions.append(self)
         self.launcher.started()  # may raise: the session is closed at exit
@@ -214,6 +221,7 @@ class Session:
             return
         self.closed = True
         eng = self.engine
+        interrupted = False
         try:
             if eng is not None and self.launcher.remote:
                 eng.stopping = True
@@ -226,7 +234,10 @@ class Session:
                 try:
                     self.launcher.wait(grace)
                 except KeyboardInterrupt:
-                    pass  # Ctrl-C again (or once more to the group): stop them at once
+                    # Ctrl-C while they finish: stop them at once, and raise it
+                    # then (it was dropped: the program went on). A Ctrl-C
+                    # that ends a computation closes it with SIGINT ignored.
+                    interrupted = True
         finally:
             self.launcher.stop()
             for e in self.launcher.engines():
@@ -239,13 +250,22 @@ class Session:
                 _ctx._state.default = None
             if self in _sessions:
                 _sessions.remove(self)
+        if interrupted:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is None:
-            self._drain(2.0)
+            try:
+                self._drain(2.0)
+            except KeyboardInterrupt:
+                # Ctrl-C while what main left behind runs: the computation
+                # ends as at any other Ctrl-C (it stayed running, said stopped)
+                with _sigint_ignored():
+                    self.close(grace=0.2)
+                raise
         if exc_type is KeyboardInterrupt:
             # after Ctrl-C, waiting long for contexts that compute helps
             # nobody; and a second Ctrl-C (a key pressed twice) is not to cut
@@ -451,7 +471,7 @@ class ForkLauncher(Launcher):
                             f"start again (names are random)") from e
                     raise
                 try:
-                    pid = os.fork()
+                    pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
                 except OSError as e:
                     err = fork_error(c, n, e)
                     if err is e:
@@ -1313,7 +1333,10 @@ _exiting = False
 def _shutdown_at_exit() -> None:
     global _exiting
     _exiting = True
-    shutdown()
+    try:
+        shutdown()
+    except KeyboardInterrupt:
+        pass  # (a Ctrl-C while the program exits: it exits, and they were stopped)
 
 
 atexit.register(_shutdown_at_exit)
@@ -1358,8 +1381,13 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
     """
     from .core.future import CoroutineType, Future
     _check_main(main, args, kwargs)
-    session = init(contexts=contexts, transport=transport, placement=placement, spin_us=spin_us,
-                   listen=listen, secret=secret, tls=tls)
+    try:
+        session = init(contexts=contexts, transport=transport, placement=placement,
+                       spin_us=spin_us, listen=listen, secret=secret, tls=tls)
+    except KeyboardInterrupt:
+        print("macroflow: interrupted (Ctrl-C) while the computation started; the contexts "
+              "started were stopped", file=sys.stderr)
+        raise
     session.in_run = True
     try:
         with session:

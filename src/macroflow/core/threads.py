@@ -333,12 +333,56 @@ def _hold_interrupt(signum: int, frame: Any) -> None:
     _forking.append(None)
 
 
+_guarded: List[bool] = []  # non-empty while fork() forks: it keeps Ctrl-C itself
+
+
+def fork() -> int:
+    """``os.fork()`` for the runtime's own processes. A Ctrl-C meanwhile is
+    kept, and raised in the parent once the fork has returned (raised in a
+    fork hook, Python drops it: the program went on); the child starts with
+    SIGINT ignored (Ctrl-C is context 0's to handle), so it never unwinds
+    the parent's stack, whatever comes before it takes over.
+
+    Example:
+        >>> pid = fork()
+        >>> if pid == 0:
+        ...     os._exit(0 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 1)
+        >>> os.waitpid(pid, 0)[1]
+        0
+    """
+    main = threading.current_thread() is threading.main_thread()
+    came: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum)) \
+        if main else None
+    _guarded.append(True)
+    try:
+        pid = os.fork()
+    except BaseException:
+        pid = -1
+        raise
+    finally:
+        _guarded.pop()
+        if pid == 0:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif main and previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if pid == 0:
+        return 0  # (what came before the fork is the parent's to raise)
+    if came:
+        if previous is signal.default_int_handler:
+            raise KeyboardInterrupt
+        if callable(previous):
+            previous(signal.SIGINT, None)
+    return pid
+
+
 def _before_fork() -> None:
     # A child forked by user code must not inherit a lock held by a serving
     # thread. A Ctrl-C while it waits for one would be lost (Python reports,
     # and drops, what a fork hook raises) and would leave locks taken that
-    # the parent then releases: it is kept, and raised once the fork returns.
-    keep = threading.current_thread() is threading.main_thread() and \
+    # the parent then releases: it is kept, and raised once the fork returns
+    # (the runtime's own forks keep it themselves: see fork).
+    keep = not _guarded and threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if keep:
         signal.signal(signal.SIGINT, _hold_interrupt)
@@ -358,12 +402,17 @@ def _after_fork(child: bool) -> None:
                 t.stopped = True  # the thread is not in the child
             t.lock.release()
     if taken[0]:
+        # a Ctrl-C the fork held back is handled now, by _hold_interrupt
+        # (this call runs what is pending), not after the handler is back
+        signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        taken += _forking  # (what it noted meanwhile)
+        _forking[:] = []
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if not child and None in taken:
             # raised here, it would be dropped as the hook's own error: a
             # moment later, from another thread, it reaches the fork's caller
             import _thread
-            threading.Timer(0.001, _thread.interrupt_main).start()
+            threading.Timer(0.05, _thread.interrupt_main).start()
 
 
 def _after_fork_parent() -> None:

@@ -598,6 +598,9 @@ class LocalTransport(Transport):
         self.links: Dict[int, List[_Conn]] = {}  # peer -> all its connections (at most 2)
         self.byfd: Dict[int, _Conn] = {}
         self.gone: Set[int] = set()  # peers reported lost
+        # peers lost before the engine attached (one that died as the
+        # contexts started): reported at the first poll (see poll)
+        self.early_lost: List[Tuple[int, str, Optional[int]]] = []
         self.pending: List[_Conn] = []  # connections with queued frames
         self.pool = BufferPool()
         self.calm_until = 0.0  # no spinning before this time (we were preempted)
@@ -1227,6 +1230,8 @@ class LocalTransport(Transport):
         got = False
         if self.dead:
             self._bury()
+        if self.early_lost and self.lost is not None:
+            return self._tell_early_lost()
         if self.rins:
             if self.signalling and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
                 # a writer that poked us cleared NAP: flag it again before
@@ -1595,6 +1600,16 @@ class LocalTransport(Transport):
             if pid is not None:
                 how = _process_fate(pid) or how
             self.lost(peer, how)
+        else:  # (nobody to tell yet: calls to it would wait for ever)
+            self.early_lost.append((peer, how, pid))
+
+    def _tell_early_lost(self) -> bool:
+        early, self.early_lost = self.early_lost, []
+        for peer, how, pid in early:
+            if pid is not None:
+                how = _process_fate(pid) or how
+            self.lost(peer, how)  # type: ignore[misc]
+        return bool(early)
 
     def close(self) -> None:
         try:
