@@ -1014,3 +1014,36 @@ def test_a_context_that_dies_as_the_computation_starts_is_lost_not_waited_for():
     out = subprocess.run([sys.executable, "-c", DIES_AS_IT_STARTS], capture_output=True,
                          text=True, timeout=50)
     assert out.stdout.splitlines() == ["lost: True", "True"], out.stdout + out.stderr
+
+
+@mf.persistent
+class _Stage:
+    def pid(self):
+        return os.getpid()
+
+    def sleep(self, s):
+        time.sleep(s)  # killed meanwhile
+        return s
+
+    def add(self, a, b):
+        return a + b
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_calls_that_depended_on_a_killed_context_say_how_it_ended(transport):
+    # on tcp the dependents, failed by the contexts that waited for its value,
+    # said "connection closed" where the call itself said SIGKILL
+    import threading
+
+    def main():
+        one, two, three = (_Stage.create(on=c) for c in (1, 2, 3))
+        pid = one.pid().result(30)
+        a = one.sleep(30)
+        b = two.add(a, 1)  # waits for a's value on context 2
+        c = three.add(b, 1)  # and for b's on context 3
+        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
+        return [str(f.exception(30)) for f in (a, b, c)]
+
+    said = mf.run(main, contexts=4, transport=transport)
+    assert all("killed by signal SIGKILL" in s for s in said), said

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MacroflowError(Exception):
     """Base class of every error that macroflow itself raises.
@@ -36,6 +38,29 @@ class ContextLost(MacroflowError):
 
     def __str__(self) -> str:
         return f"context {self.context} was lost: {self.how}"
+
+    def __reduce__(self) -> Any:
+        return (_lost_here, (self.context, self.how))
+
+
+def _lost_here(context: int, how: str) -> ContextLost:
+    """A ContextLost that came from another context, said as this one saw
+    the loss where it knows more: the sender may have seen its connection
+    close only, where context 0 knows how the process ended.
+
+    Example:
+        >>> str(_lost_here(3, "connection closed"))   # nothing running here: as it came
+        'context 3 was lost: connection closed'
+    """
+    if "connection closed" in how:
+        try:
+            from .context import current_engine
+            ours = current_engine().lost.get(context)
+        except Exception:
+            ours = None
+        if ours and "connection closed" not in ours:
+            how = ours
+    return ContextLost(context, how)
 
 
 class DeadlockError(MacroflowError, RuntimeError):
