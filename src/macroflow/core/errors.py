@@ -40,27 +40,34 @@ class ContextLost(MacroflowError):
         return f"context {self.context} was lost: {self.how}"
 
     def __reduce__(self) -> Any:
-        return (_lost_here, (self.context, self.how))
+        # (its state too: the traceback it brought, its notes)
+        state = {k: v for k, v in self.__dict__.items() if k not in ("context", "how")}
+        return (_lost_here, (self.context, self.how), state or None)
 
 
 def _lost_here(context: int, how: str) -> ContextLost:
     """A ContextLost that came from another context, said as this one saw
     the loss where it knows more: the sender may have seen its connection
-    close only, where context 0 knows how the process ended.
+    close only (or the process gone, reaped), where context 0 knows how the
+    process ended.
 
     Example:
         >>> str(_lost_here(3, "connection closed"))   # nothing running here: as it came
         'context 3 was lost: connection closed'
     """
-    if "connection closed" in how:
+    if not _says_how(how):
         try:
             from .context import current_engine
             ours = current_engine().lost.get(context)
         except Exception:
             ours = None
-        if ours and "connection closed" not in ours:
+        if ours and _says_how(ours):
             how = ours
     return ContextLost(context, how)
+
+
+def _says_how(how: str) -> bool:
+    return "killed by signal" in how or "exited with code" in how
 
 
 class DeadlockError(MacroflowError, RuntimeError):
