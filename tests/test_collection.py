@@ -396,3 +396,15 @@ def test_a_destroyed_collection_frees_its_elements_everywhere(run, transport):
     grown = run(main, contexts=3)
     if transport != "inproc":  # (one process: the meter sees everyone's memory)
         assert max(grown) < 100e6, grown
+
+
+def test_a_destroyed_collection_is_named_as_such(run):
+    # (the error named the internal host class and an id: "_Host 0.2 was destroyed")
+    def main():
+        c = mf.Collection(_Meter, 4)
+        c.destroy().result(30)
+        return str(c.apply("rss").exception(30)), str(c[3].rss().exception(30))
+
+    for said in run(main, contexts=2):
+        assert said.startswith("the Collection of _Meter (its elements [") and \
+            "was destroyed" in said and "_Host" not in said, said

@@ -440,6 +440,9 @@ class ObjectHost(Model):
                 return False
             obj.instance = inst
             obj.state = "live"
+            named = getattr(inst, "__mf_object_label__", None)
+            if named is not None:  # (an object that stands for another's, as a collection's part)
+                obj.label = str(named)
             eng._finish(call, True, None)
             return self._release(obj)
         if obj.state != "live":

@@ -156,6 +156,21 @@ class _Host:
                 _tag(e, _label(cls, index, "constructor"))
                 raise
 
+    @property
+    def __mf_object_label__(self) -> str:
+        """How errors name this host: by the collection it is part of.
+
+        Example:
+            >>> class Cell:
+            ...     def __init__(self, index): pass
+            >>> _Host(Cell, (6,), "cyclic", 2, 1, ()).__mf_object_label__
+            'the Collection of Cell (its elements [1, 3, 5] here)'
+        """
+        ks = list(self.elements)
+        shown = ks if len(ks) <= 4 else ks[:3] + ["..."]
+        return (f"the Collection of {self.cls.__qualname__} (its elements "
+                f"[{', '.join(map(str, shown))}] here)")
+
     def __mf_call_label__(self, method: str, args: tuple) -> str:
         """What a call of this host does, in the element class's terms (for
         errors such as a DeadlockError's, which would otherwise name _Host).
