@@ -51,7 +51,7 @@ def start(child_main: Callable[..., None], close_fds: List[socket.socket]) -> "F
         True
     """
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
+    pid = fork(_end)  # (a Ctrl-C meanwhile is raised here, the server ended)
     if pid == 0:  # pragma: no cover - runs in the server
         code = 0
         try:
@@ -67,6 +67,22 @@ def start(child_main: Callable[..., None], close_fds: List[socket.socket]) -> "F
             os._exit(code)
     theirs.close()
     return ForkServer(pid, mine)
+
+
+def _end(pid: int) -> None:
+    """End a server forked as a Ctrl-C came (nobody will use it).
+
+    Example:
+        >>> pid = os.fork()
+        >>> if pid == 0:
+        ...     time.sleep(60); os._exit(0)
+        >>> _end(pid)   # killed and reaped at once
+    """
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
 
 
 class ForkServer:

@@ -491,7 +491,8 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
     pids: Dict[int, int] = {}
     for i, ctx in enumerate(ids):
         mesh_listener = mesh.listen(ctx)
-        pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
+        # (a Ctrl-C meanwhile is raised here, the child noted to be stopped)
+        pid = fork(lambda p: pids.__setitem__(ctx, p))
         if pid == 0:  # pragma: no cover - runs in the context's process
             code = 0
             eng = None

@@ -471,7 +471,8 @@ class ForkLauncher(Launcher):
                             f"start again (names are random)") from e
                     raise
                 try:
-                    pid = fork()  # (a Ctrl-C meanwhile is raised here, after it)
+                    # (a Ctrl-C meanwhile is raised here, the child noted to be stopped)
+                    pid = fork(lambda p: self.pids.__setitem__(c, p))
                 except OSError as e:
                     err = fork_error(c, n, e)
                     if err is e:

@@ -336,12 +336,13 @@ def _hold_interrupt(signum: int, frame: Any) -> None:
 _guarded: List[bool] = []  # non-empty while fork() forks: it keeps Ctrl-C itself
 
 
-def fork() -> int:
+def fork(interrupted: Optional[Callable[[int], Any]] = None) -> int:
     """``os.fork()`` for the runtime's own processes. A Ctrl-C meanwhile is
     kept, and raised in the parent once the fork has returned (raised in a
-    fork hook, Python drops it: the program went on); the child starts with
-    SIGINT ignored (Ctrl-C is context 0's to handle), so it never unwinds
-    the parent's stack, whatever comes before it takes over.
+    fork hook, Python drops it: the program went on), after
+    ``interrupted(pid)`` (to note the child, which was made); the child
+    starts with SIGINT ignored (Ctrl-C is context 0's to handle), so it never
+    unwinds the parent's stack, whatever comes before it takes over.
 
     Example:
         >>> pid = fork()
@@ -369,6 +370,8 @@ def fork() -> int:
     if pid == 0:
         return 0  # (what came before the fork is the parent's to raise)
     if came:
+        if interrupted is not None:
+            interrupted(pid)
         if previous is signal.default_int_handler:
             raise KeyboardInterrupt
         if callable(previous):
