@@ -1884,3 +1884,20 @@ def test_more_large_argument_sets_than_eight_used_in_turn_go_once_each(run):
         return mf.stats()[0]["bytes_sent"] - before
 
     assert run(main, contexts=2) < 10_500_000
+
+
+@mf.persistent
+class _Caller:
+    def first_of(self, h):
+        return h.first().result(30)
+
+
+def test_a_regular_handle_passed_on_after_its_first_call_sends_what_that_call_took(run):
+    def main():
+        buf = np.zeros(100_000)
+        h = _Table1(buf)
+        first = h.first().result(30)
+        buf[:] = 7.0
+        return first, _Caller.create(on=1).first_of(h).result(30)
+
+    assert run(main, contexts=2) == (0.0, 0.0)

@@ -215,7 +215,9 @@ class RegularHandle(_Handle):
 
     def __reduce__(self):
         _check_travel(self, self._comp)
-        return (RegularHandle, (self._cls, self._args, self._kwargs, self._on, self._comp))
+        # the arguments as its first call took them, if it made one
+        args, kwargs = (self._args, self._kwargs) if self._target is None else self._target[1:3]
+        return (RegularHandle, (self._cls, args, kwargs, self._on, self._comp))
 
     def __repr__(self) -> str:
         where = f" @ctx{self._on}" if self._on is not None else ""
