@@ -352,7 +352,7 @@ class FirstToEnd:
         watcher could not see it itself (its parent reaped it first); ``code``
         is mpiexec's exit code.
         """
-        from macroflow.launch import describe_status
+        from macroflow.transport.base import describe_status
         first = self.first
         if not first or os.path.exists(self.table + ".error"):
             return None  # (a rank's uncaught error ended the job: it was printed)

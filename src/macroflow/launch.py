@@ -42,7 +42,7 @@ from .core.future import forget_learned
 from .core.placement import Placement
 from .core.threads import fork
 from . import forkserver
-from .transport.base import REGISTRY
+from .transport.base import REGISTRY, describe_status
 
 DEFAULT_SPIN_US = 50.0
 
@@ -141,27 +141,6 @@ def _set_pdeathsig() -> None:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def describe_status(status: int) -> str:
-    """Say how a process ended, from a ``waitpid`` status.
-
-    Example:
-        >>> describe_status(9)
-        'killed by signal SIGKILL'
-        >>> describe_status(256)
-        'exited with code 1'
-    """
-    if os.WIFSIGNALED(status):
-        n = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(n).name
-        except ValueError:
-            name = str(n)
-        return f"killed by signal {name}"
-    if os.WIFEXITED(status):
-        return f"exited with code {os.WEXITSTATUS(status)}"
-    return f"ended with status {status}"
 
 
 class Session:

@@ -12,6 +12,8 @@ Adding a protocol (tcp, say) means writing one subclass and registering it in
 from __future__ import annotations
 
 import abc
+import os
+import signal
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 # deliver(src, buffers, load): a whole frame arrived from context src, whose
@@ -134,3 +136,24 @@ REGISTRY: Dict[str, str] = {
     "tcp": "macroflow.transport.tcp",
     "mpi": "macroflow.transport.mpi",
 }
+
+
+def describe_status(status: int) -> str:
+    """Say how a process ended, from a ``waitpid`` status.
+
+    Example:
+        >>> describe_status(9)
+        'killed by signal SIGKILL'
+        >>> describe_status(256)
+        'exited with code 1'
+    """
+    if os.WIFSIGNALED(status):
+        n = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(n).name
+        except ValueError:
+            name = str(n)
+        return f"killed by signal {name}"
+    if os.WIFEXITED(status):
+        return f"exited with code {os.WEXITSTATUS(status)}"
+    return f"ended with status {status}"

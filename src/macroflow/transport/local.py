@@ -304,7 +304,7 @@ def _process_fate(pid: int, wait: float = 0.1) -> Optional[str]:
         >>> _process_fate(p.pid) == f"its process (pid {p.pid}) has ended"
         True
     """
-    from ..launch import describe_status
+    from .base import describe_status
     deadline = time.monotonic() + wait
     while True:
         try:

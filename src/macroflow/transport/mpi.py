@@ -2651,7 +2651,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
 
     def _on_death(self, pid: int, status: Optional[int]) -> None:
         # (the watcher's thread)
-        from ..launch import describe_status
+        from .base import describe_status
         eng = self.engine
         ctx = next((c for c, (h, p) in self.hosts.items() if p == pid and _local(h)), None)
         if eng is None or ctx is None:
