@@ -1901,3 +1901,21 @@ def test_a_regular_handle_passed_on_after_its_first_call_sends_what_that_call_to
         return first, _Caller.create(on=1).first_of(h).result(30)
 
     assert run(main, contexts=2) == (0.0, 0.0)
+
+
+@mf.persistent
+class _Changer:
+    def change_then_call(self, h, arr):
+        arr[:] = 7.0  # the method's own argument, not h's constructor argument
+        return h.first().result(30)
+
+
+def test_a_regular_handle_passed_before_its_first_call_takes_its_arguments_as_passed(run):
+    # sent in the same message as the array, its copy shared it with the
+    # method's argument, which the method changed before the handle's first call
+    def main():
+        arr = np.zeros(8)
+        h = _Table1.create(arr, on=2)
+        return _Changer.create(on=1).change_then_call(h, arr).result(30)
+
+    assert run(main, contexts=3) == 0.0

@@ -197,27 +197,30 @@ class RegularHandle(_Handle):
         eng = _engine_of(self)
         target = self._target
         if target is None:
-            # taken as values at the first call (a copy elsewhere, at its first
-            # call there): what goes out later is what the key says
-            try:
-                cargs, ckw, key, size = ctor_capture(self._args, self._kwargs)
-            except Exception as e:  # a __reduce__ may raise anything
-                raise CallError(
-                    f"cannot send the constructor arguments of {self._cls.__qualname__}() "
-                    f"(they go with its calls: {info.label} here): {type(e).__name__}: {e}"
-                ) from e
-            target = self._target = (self._cls, cargs, ckw, key, size)
+            target = self._capture(f"{info.label} here")
         if self._on is not None:
             dest, pinned = self._on, True
         else:
             dest, pinned = eng.placement.place_call(eng), False
         return eng.issue(REGULAR, target, info.name, args, kwargs, dest, site=info, pinned=pinned)
 
+    def _capture(self, where: str) -> tuple:
+        # the constructor arguments taken as values, at the handle's first
+        # call or passing on (a copy elsewhere, at its first there): what
+        # goes out later is what the key says, whatever becomes of the originals
+        try:
+            cargs, ckw, key, size = ctor_capture(self._args, self._kwargs)
+        except Exception as e:  # a __reduce__ may raise anything
+            raise CallError(
+                f"cannot send the constructor arguments of {self._cls.__qualname__}() "
+                f"(they go with its calls: {where}): {type(e).__name__}: {e}") from e
+        target = self._target = (self._cls, cargs, ckw, key, size)
+        return target
+
     def __reduce__(self):
         _check_travel(self, self._comp)
-        # the arguments as its first call took them, if it made one
-        args, kwargs = (self._args, self._kwargs) if self._target is None else self._target[1:3]
-        return (RegularHandle, (self._cls, args, kwargs, self._on, self._comp))
+        target = self._target or self._capture("passed on in a message")
+        return (RegularHandle, (self._cls, target[1], target[2], self._on, self._comp))
 
     def __repr__(self) -> str:
         where = f" @ctx{self._on}" if self._on is not None else ""
