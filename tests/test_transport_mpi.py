@@ -1231,8 +1231,20 @@ def test_macroflow_run_options_that_contradict_mpiexec_are_said_once(tmp_path, g
     out = subprocess.run([M._find_mpiexec(), "-n", "2", sys.executable, "-m", "macroflow", "run",
                           *given, "--spmd", str(script)], capture_output=True, text=True,
                          timeout=60, env=_env())
-    assert out.returncode != 0
+    assert out.returncode == 2  # (a usage error's, not MPI_Abort's 1)
     assert out.stderr.count(said) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "MPI_Abort" not in out.stderr, out.stderr
+
+
+def test_macroflow_run_mpi_refuses_more_ranks_than_the_host_can_hold(tmp_path):
+    # (it started mpiexec -n 100000000)
+    script = tmp_path / "job.py"
+    script.write_text("def main():\n    return 1\n")
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "100000000",
+                          "--transport", "mpi", str(script)], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert out.returncode == 2, out.stderr
+    assert "100000000 contexts do not fit in this host's memory" in out.stderr
 
 
 ADDED_UNDER_MPIEXEC = """

@@ -99,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         service_setting()
         module = load_transport(args.transport or "local")
         check = getattr(module, "check_room", None)
-        if check is not None and not launch_mpiexec:
+        if check is not None:  # (mpiexec -n N starts N ranks here too)
             check(args.n or os.cpu_count() or 1)
     except (ValueError, mf.LimitError) as e:
         args.parser.error(str(e))
@@ -115,9 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         elif args.transport not in (None, "mpi"):
             wrong = (f"--transport {args.transport} under mpiexec: its ranks are one MPI job; "
                      f"give --transport mpi, or leave --transport out")
-        if wrong is not None:  # a usage error, said once (by rank 0)
-            _script_fault(lambda: (args.parser.print_usage(sys.stderr),
-                                   print(f"macroflow run: error: {wrong}", file=sys.stderr)))
+        if wrong is not None:  # a usage error, said once (by rank 0), before MPI starts
+            if world[0] == 0:
+                args.parser.print_usage(sys.stderr)
+                print(f"macroflow run: error: {wrong}", file=sys.stderr)
             return 2
     if launch_mpiexec:
         try:  # a script that cannot compile fails here, not once per rank
