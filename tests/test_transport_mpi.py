@@ -1236,6 +1236,19 @@ def test_macroflow_run_options_that_contradict_mpiexec_are_said_once(tmp_path, g
     assert "MPI_Abort" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("given, said", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["missing.py"], "missing.py"),
+])
+def test_macroflow_run_usage_errors_under_mpiexec_are_said_once(tmp_path, given, said):
+    # (every rank printed the usage and the error)
+    out = subprocess.run([M._find_mpiexec(), "-n", "2", sys.executable, "-m", "macroflow", "run",
+                          *given], capture_output=True, text=True, timeout=60, env=_env(),
+                         cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.count("error:") == 1 and said in out.stderr, out.stderr
+
+
 def test_macroflow_run_mpi_refuses_more_ranks_than_the_host_can_hold(tmp_path):
     # (it started mpiexec -n 100000000)
     script = tmp_path / "job.py"

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 
 def script_problem(path: str) -> Optional[str]:
@@ -641,13 +641,33 @@ def function_name(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors, under mpiexec (every rank runs
+    the same command), rank 0 alone says; every rank exits 2.
+
+    Example:
+        >>> try:
+        ...     _Parser(prog="x").error("bad")
+        ... except SystemExit as e:
+        ...     e.code
+        2
+    """
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        from macroflow.transport.mpi import world_from_environment
+        world = world_from_environment()
+        if world is not None and world[0] != 0:
+            raise SystemExit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from macroflow.core.placement import POLICIES
     from macroflow.transport.base import REGISTRY
     from macroflow import __version__
-    p = argparse.ArgumentParser(prog="macroflow", description="parallel objects and macro dataflow")
+    p = _Parser(prog="macroflow", description="parallel objects and macro dataflow")
     p.add_argument("--version", action="version", version=f"macroflow {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND",
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser,
                            title="commands (macroflow COMMAND --help for more)")
     r = sub.add_parser("run", help="run a script's main() on N contexts")
     r.add_argument("-n", type=positive_int, default=None, metavar="N",
