@@ -1820,26 +1820,17 @@ def test_a_retiring_context_relays_a_shrunk_call_whole():
     assert (cls, ckw, k, n) == (_Weights, {}, key, size) and (cargs[0] == args[0]).all()
 
 
-@mf.regular
-class _Table1:
-    def __init__(self, table):
-        self.table = table
-
-    def first(self):
-        return float(self.table[0])
-
-
 def test_a_regular_handles_constructor_arguments_are_taken_at_its_first_call(run):
     # the array changed after the first call went to contexts reached later
     # under the first call's key: a fresh handle of zeros was served sevens
     def main():
         buf = np.zeros(100_000)
-        h = _Table1(buf)
+        h = _Table(buf)
         first = h.first().result(30)
         buf[:] = 7.0  # the caller reuses its buffer
         old = set(mf.gather([h.first() for _ in range(8)], timeout=30))
-        fresh = set(mf.gather([_Table1(np.zeros(100_000)).first() for _ in range(8)], timeout=30))
-        new = set(mf.gather([_Table1(buf).first() for _ in range(8)], timeout=30))
+        fresh = set(mf.gather([_Table(np.zeros(100_000)).first() for _ in range(8)], timeout=30))
+        new = set(mf.gather([_Table(buf).first() for _ in range(8)], timeout=30))
         return first, old, fresh, new
 
     assert run(main, contexts=3) == (0.0, {0.0}, {0.0}, {7.0})
@@ -1865,7 +1856,7 @@ def test_a_call_to_its_own_context_does_not_copy_large_constructor_arguments(run
     import time as _time
 
     def main():
-        h = _Table1.create(np.ones(2_000_000), on=0)
+        h = _Table.create(np.ones(2_000_000), on=0)
         h.first().result(30)
         t = _time.perf_counter()
         mf.gather([h.first() for _ in range(20)], timeout=60)
@@ -1877,7 +1868,7 @@ def test_a_call_to_its_own_context_does_not_copy_large_constructor_arguments(run
 def test_more_large_argument_sets_than_eight_used_in_turn_go_once_each(run):
     # the caller kept 8: cycling through 9 sent every call's table again
     def main():
-        hs = [_Table1.create(np.full(125_000, float(k)), on=1) for k in range(9)]  # 1 MB each
+        hs = [_Table.create(np.full(125_000, float(k)), on=1) for k in range(9)]  # 1 MB each
         before = mf.stats()[0]["bytes_sent"]
         for _ in range(5):
             assert [h.first().result(30) for h in hs] == [float(k) for k in range(9)]
@@ -1895,7 +1886,7 @@ class _Caller:
 def test_a_regular_handle_passed_on_after_its_first_call_sends_what_that_call_took(run):
     def main():
         buf = np.zeros(100_000)
-        h = _Table1(buf)
+        h = _Table(buf)
         first = h.first().result(30)
         buf[:] = 7.0
         return first, _Caller.create(on=1).first_of(h).result(30)
@@ -1915,7 +1906,7 @@ def test_a_regular_handle_passed_before_its_first_call_takes_its_arguments_as_pa
     # method's argument, which the method changed before the handle's first call
     def main():
         arr = np.zeros(8)
-        h = _Table1.create(arr, on=2)
+        h = _Table.create(arr, on=2)
         return _Changer.create(on=1).change_then_call(h, arr).result(30)
 
     assert run(main, contexts=3) == 0.0

@@ -116,10 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             wrong = (f"--transport {args.transport} under mpiexec: its ranks are one MPI job; "
                      f"give --transport mpi, or leave --transport out")
         if wrong is not None:  # a usage error, said once (by rank 0), before MPI starts
-            if world[0] == 0:
-                args.parser.print_usage(sys.stderr)
-                print(f"macroflow run: error: {wrong}", file=sys.stderr)
-            return 2
+            args.parser.error(wrong)
     if launch_mpiexec:
         try:  # a script that cannot compile fails here, not once per rank
             with open(args.script, "rb") as f:
@@ -464,10 +461,8 @@ def _wait_gone(pids: List[int], most: float) -> None:
         while time.monotonic() < deadline:
             try:
                 os.kill(pid, 0)
-            except ProcessLookupError:
+            except OSError:  # gone (or another user's: not ours to wait for)
                 break
-            except OSError:
-                break  # (another user's: not ours to wait for)
             time.sleep(0.01)
 
 

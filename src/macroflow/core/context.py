@@ -136,6 +136,8 @@ _RSR_THREADS = ("inline", "new")
 _RSR_KEYS_MAX = 4096
 _rsr_keys: Dict[bytes, Tuple[Any, Any]] = {}  # key -> (gid, handler), decoded once
 _TIMEOUT = object()
+_INLINE_WAIT = ("a remote service request handler run inline or at once cannot wait; "
+                "use thread='new'")
 _MISSING = object()
 #: What Model.resolve returns when a global pointer names nothing here.
 MISSING = _MISSING
@@ -716,9 +718,7 @@ class Engine:
             raise stale_future(f)
         if threading.get_ident() != self.thread:
             if threading.get_ident() == self.serving:
-                raise errors.DeadlockError(
-                    "a remote service request handler run inline or at once cannot wait; "
-                    "use thread='new'")
+                raise errors.DeadlockError(_INLINE_WAIT)
             raise RuntimeError("a macroflow future was used from a thread other than the one "
                                "that started the computation; use it from that thread")
         if f._asked or f._state == FINISHED:
@@ -796,9 +796,7 @@ class Engine:
             return self._wait_timed(f, timeout)
         if self.in_inline:
             # before the worker's case: an at-once handler may run on top of a method
-            raise errors.DeadlockError(
-                "a remote service request handler run inline or at once cannot wait; "
-                "use thread='new'")
+            raise errors.DeadlockError(_INLINE_WAIT)
         if self.in_guard is not None:
             self.guard_waits(f"for {f!r}")
         w = getcurrent()
@@ -901,9 +899,7 @@ class Engine:
         if arrivals.queue:
             return True
         if self.in_inline:
-            raise errors.DeadlockError(
-                "a remote service request handler run inline or at once cannot wait; "
-                "use thread='new'")
+            raise errors.DeadlockError(_INLINE_WAIT)
         if self.in_guard is not None:
             self.guard_waits("for futures")
         w = getcurrent()
@@ -1093,11 +1089,13 @@ class Engine:
                     data, more = _encode(bufs)  # relayed: it leaves as any frame does
                     bufs = [data, *more]
                 b0 = bufs[0]
-                if self.relay_to is not None and _peek_op(b0) not in (RETIRE_ACK, RETIRED):
-                    if self.shrinks and _peek_op(b0) == CALL:
-                        bufs = self._whole_call(src, bufs)
-                    self._relay_frame(bufs)
-                    continue
+                if self.relay_to is not None:
+                    op = _peek_op(b0)
+                    if op not in (RETIRE_ACK, RETIRED):
+                        if op == CALL and self.shrinks:
+                            bufs = self._whole_call(src, bufs)
+                        self._relay_frame(bufs)
+                        continue
                 if b0[0] == _V:
                     _, ok, a0, a1 = _VGET.unpack_from(b0)
                     data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]

@@ -356,11 +356,9 @@ def fork(interrupted: Optional[Callable[[int], Any]] = None) -> int:
     previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum)) \
         if main else None
     _guarded.append(True)
+    pid = -1
     try:
         pid = os.fork()
-    except BaseException:
-        pid = -1
-        raise
     finally:
         _guarded.pop()
         if pid == 0:
@@ -401,8 +399,6 @@ def _after_fork(child: bool) -> None:
         return
     for t in taken[1:]:
         if t is not None:
-            if child:
-                t.stopped = True  # the thread is not in the child
             t.lock.release()
     if taken[0]:
         # a Ctrl-C the fork held back is handled now, by _hold_interrupt

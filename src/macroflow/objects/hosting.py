@@ -728,10 +728,6 @@ class RegularCalls(_HostedKind):
         else:
             cls, key = target
             got = held.get(src, {}).get(key)
-            if got is None:
-                # (not expected: a context that retires makes relayed calls
-                # whole; any sender's copy is the same value)
-                got = next((h[key] for h in held.values() if key in h), None)
             target = (cls, None, None, key, 0) if got is None else (cls, *got[:2], key, got[2])
         return msg[:3] + (target,) + msg[4:]
 
@@ -743,8 +739,8 @@ class RegularCalls(_HostedKind):
         if cargs is None:
             eng._finish(call, False, errors.CallError(
                 f"{self.label(call)}: the constructor arguments of {cls.__qualname__}() "
-                f"are not known on context {eng.id} (its sender sends them once; this call "
-                f"was passed on by a context that was removed meanwhile): call it again"))
+                f"are not known on context {eng.id} (its sender sends them once, and sent "
+                f"only their key here): call it again"))
             return
         key = cls if key is None else (cls, key)
         pool = self.host.regular_pool

@@ -436,16 +436,16 @@ def _regular_new(klass: type, *args: Any, **kwargs: Any) -> RegularHandle:
 
 
 def _refuse_futures(cls: type, args: tuple, kwargs: dict) -> None:
-    # A regular handle's constructor arguments travel with each of its calls
-    # as they are: a future among them reached the constructor as a Future,
-    # not its value, and every call failed far from here
+    # A regular handle's constructor arguments go with its calls as values
+    # (see RegularHandle._capture): a future among them reached the
+    # constructor as a Future, not its value, and every call failed far from here
     from ..core.errors import CallError
     for where, x in [*enumerate(args), *kwargs.items()]:
         items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else (x,)
         if any(isinstance(i, Future) for i in items):
             what = f"argument {where}" if isinstance(where, int) else f"argument {where}="
             raise CallError(f"{cls.__qualname__}(): {what} is or holds a future; a regular "
-                            f"object's constructor arguments travel with each call as values, "
+                            f"object's constructor arguments go with its calls as values, "
                             f"not as dataflow arcs: pass its value (f.result()), or pass the "
                             f"future to the method instead")
 
