@@ -651,3 +651,18 @@ def test_a_certificate_and_key_given_the_wrong_way_round_are_named():
         mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(key, cert))
     with pytest.raises(ValueError, match=r"TLS needs a certificate and its key .*tls=\(cert, key\)"):
         mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET, tls=(cert, None))
+
+
+def test_wait_contexts_does_not_count_a_context_that_died_before_it_was_called():
+    import psutil
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address, n=2)
+        mf.wait_contexts(4, timeout=60)
+        pid = mf.contexts()[3].pid
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(30)  # gone: its connection is closed
+        with pytest.raises(mf.TimeoutError, match="3 contexts after 0.2 s, not 4"):
+            mf.wait_contexts(4, timeout=0.2)
+        states = [c.state for c in mf.contexts()]
+    finish(w)
+    assert states == ["running"] * 3 + ["lost"]

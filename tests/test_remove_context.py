@@ -399,3 +399,72 @@ def test_a_pinned_handle_with_large_constructor_arguments_goes_on_at_the_heir(ru
         return before, [v for v, _ in after], {c for _, c in after} - {1} == {c for _, c in after}
 
     assert run(main, contexts=3) == ((5.0, 1), [1.0, 2.0, 3.0], True)
+
+
+@mf.persistent
+class Driver:
+    def fan(self, n):
+        w = Where()
+        return sorted(set(mf.gather([w.here() for _ in range(n)], timeout=30)))
+
+    def read(self, values):
+        return values  # (arcs: their values were asked of their home, here)
+
+    def pinned(self, handle):
+        return handle.here().result(30)
+
+    def make(self, n):
+        return [mf.info(Square.create()).context for _ in range(n)]
+
+
+def test_a_context_added_after_a_removal_never_uses_the_removed_one(run):
+    # a context added later learns which ones left before it came: it places
+    # nothing there, and what they held it asks of their heir
+    def main():
+        s = Square.create(on=2)
+        held = [s.of(i) for i in range(5)]
+        mf.wait(held)
+        pinned = Where.create(on=2)
+        mf.remove_context(2)
+        (new,) = mf.add_contexts(1)
+        d = Driver.create(on=new)
+        return (d.fan(12).result(30), d.read(held).result(30), d.pinned(pinned).result(30),
+                set(d.make(6).result(30)))
+
+    fan, values, pinned_ran_on, placed = run(main, contexts=3)
+    assert 2 not in fan and set(fan) <= {1, 3}
+    assert values == [0, 1, 4, 9, 16]
+    assert pinned_ran_on == 0  # where context 2's work went
+    assert placed <= {1, 3}
+
+
+def test_a_context_added_after_a_loss_never_uses_the_lost_one(run, transport):
+    if transport == "inproc":
+        pytest.skip("inproc: a context cannot be killed apart from the program")
+    import signal
+
+    def main():
+        victim = Square.create(on=1)
+        os.kill(victim.pid().result(30), signal.SIGKILL)
+        with pytest.raises(mf.ContextLost):
+            victim.of(1).result(30)
+        (new,) = mf.add_contexts(1)
+        return Driver.create(on=new).fan(12).result(30)
+
+    assert set(run(main, contexts=3)) <= {2, 3}
+
+
+def test_the_ctrl_c_message_counts_the_contexts_it_stopped_not_those_removed(transport, capsys):
+    if transport == "mpi":
+        pytest.skip("an MPI rank cannot leave a running job")
+
+    def main():
+        for _ in range(2):
+            (new,) = mf.add_contexts(1)
+            mf.remove_context(new)
+        assert mf.num_contexts() == 4  # ids 2 and 3 are not given out again
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mf.run(main, contexts=2, transport=transport)
+    assert "interrupted (Ctrl-C); all 2 contexts were stopped" in capsys.readouterr().err

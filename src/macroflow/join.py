@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import launch as _launch
 from .core import context as _ctx
 from .core import marshal
-from .core.context import MEMBERS, Engine
+from .core.context import Engine
 from .core.threads import fork
 from .launch import ForkLauncher, node_name
 from .transport.local import LocalTransport, Mesh
@@ -335,20 +335,21 @@ class TcpLauncher(ForkLauncher):
         eng.grow(ctx + 1)
         multi = eng.transport
         multi.learn(ctx, protocols)
+        members = eng.members()
+        try:  # first: it learns which contexts left before it came
+            eng.send(ctx, members)
+        except ConnectionError:
+            pass
         for c in eng.context_ids():
             if c in (0, ctx):
                 continue
             try:
                 multi.announce(c, ctx, protocols)  # it may hear of the new one any time now
-                eng.send(c, (MEMBERS, eng.size))
+                eng.send(c, members)
                 if c in self.directory:
                     multi.announce(ctx, c, self.directory[c])  # and the new one of it
             except ConnectionError:
                 pass
-        try:
-            eng.send(ctx, (MEMBERS, eng.size))
-        except ConnectionError:
-            pass
 
 
 def runtime_versions() -> Dict[str, str]:

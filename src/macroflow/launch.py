@@ -784,6 +784,7 @@ def wait_contexts(n: int, timeout: Optional[float] = None) -> int:
         # report one by one, in any order: one with a higher id may be first)
         return sum(1 for c in eng.context_ids() if c < s.size or c in eng.joined)
 
+    eng.step(0)  # a loss already said (a worker killed before this call) counts
     if ready() < n and not s.launcher.joinable:
         # only workers joining over TCP add contexts while main waits here
         raise ValueError(f"wait_contexts({n}): the computation has {ready()} contexts and "
@@ -878,10 +879,13 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
                       describe=False)  # (the launcher would say only that it was killed)
     # every context may place work on the new ones now (those that reported in)
     members = (reported[-1] + 1 if reported else ids[0]) if late else eng.size
-    for c in eng.context_ids():
+    # the new ones first: they learn which contexts left before they came
+    # (so sent nothing there) before the others hear of them
+    msg = (MEMBERS, members) + eng.members()[2:]
+    for c in sorted(eng.context_ids(), key=lambda c: c not in ids):
         if c != eng.id:
             try:
-                eng.send(c, (MEMBERS, members))
+                eng.send(c, msg)
             except Exception:
                 pass
     eng.transport.flush()
@@ -1379,7 +1383,8 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
             return result
     except KeyboardInterrupt:
         eng = session.engine
-        n = max(session.size, eng.size if eng is not None else 0)  # with those added or joined
+        # with those added or joined; not those removed or lost before
+        n = session.size if eng is None else len(eng.context_ids())
         print(f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped",
               file=sys.stderr)
         raise

@@ -43,7 +43,9 @@ FATAL     the sender's engine failed (a bug of the runtime) and it is ending:
 PROBE     deadlock detection: (op, initiator fid, fid, path); follow what the
           call fid waits for, and report a cycle if the probe comes back to
           the initiator (edge chasing, after Chandy, Misra and Haas)
-MEMBERS   contexts up to (op, size) - 1 exist (contexts added while running)
+MEMBERS   contexts up to (op, size, gone, retiring) - 1 exist (contexts added while
+          running); gone: {cid: (why, heir or None)} of those removed or lost,
+          retiring: those being removed (a context added late knows neither)
 JOINED    a context added while running reports in: (op, its description)
 RETIRE    (op, cid, heir): context cid is being removed; to cid itself: take
           no new work, finish what you have, then hand over to heir
@@ -93,7 +95,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import errors, marshal
 from .future import FINISHED, PENDING, Arrivals, CoroutineType, Future, run_coroutine, site_label, stale_future
@@ -445,6 +447,28 @@ class Engine:
         if size > self.size:
             self.loads.extend([0] * (size - len(self.loads)))
             self.size = size
+
+    def members(self) -> tuple:
+        """The MEMBERS message that tells a context which contexts exist: a
+        context added while running must also learn which ones left before
+        it came (removed: to whom what they held went), and which are
+        leaving, or it would send them work."""
+        gone = {c: (how, self.heirs.get(c)) for c, how in self.lost.items()}
+        return (MEMBERS, self.size, gone, sorted(self.retiring))
+
+    def learn_members(self, size: int, gone: Optional[dict] = None,
+                      retiring: Sequence[int] = ()) -> None:
+        """What a MEMBERS message says (see :meth:`members`); what this
+        context knows already stays as it is."""
+        self.grow(size)
+        for c, (how, heir) in (gone or {}).items():
+            if c == self.id or c in self.lost:
+                continue
+            self.lost[c] = how
+            if heir is not None:
+                self.heirs[c] = heir
+            self.retiring.discard(c)
+        self.retiring.update(c for c in retiring if c not in self.lost and c != self.id)
 
     def send(self, dest: int, header: tuple) -> None:
         data, bufs = marshal.dumps(header)
@@ -2951,7 +2975,7 @@ def _serve_probe(eng: Engine, src: int, msg: tuple) -> None:
 
 
 def _serve_members(eng: Engine, src: int, msg: tuple) -> None:
-    eng.grow(msg[1])
+    eng.learn_members(*msg[1:])
 
 
 def _serve_joined(eng: Engine, src: int, msg: tuple) -> None:

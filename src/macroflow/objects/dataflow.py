@@ -256,7 +256,10 @@ def context_id() -> int:
 
 
 def num_contexts() -> int:
-    """How many contexts the computation has.
+    """How many contexts the computation has had: ids run from 0 to
+    ``num_contexts() - 1``. Contexts added while running count; so do those
+    removed or lost since, whose ids are not given out again
+    (:func:`macroflow.contexts` says which are running).
 
     Example:
         >>> import macroflow as mf
