@@ -3,6 +3,7 @@ and bugs of the engine itself, on every transport."""
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -846,3 +847,19 @@ def test_a_large_value_only_passed_on_is_freed_when_its_future_is_dropped(run, k
     held, then, n = run(main)
     assert held <= 3  # 10 held before
     assert then >= 1 and n in (2_000_000, 250_000)
+
+
+@mf.persistent
+class ExitingHook:
+    def __mf_destroy__(self):
+        sys.exit(7)
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit_in_a_destroy_hook_fails_the_destroy_not_the_caller(run):
+    def main():
+        with pytest.raises(mf.MacroflowError, match=r"ExitingHook.* called sys.exit\(7\)"):
+            mf.destroy(ExitingHook.create(on=1)).result(timeout=10)
+        return "main goes on"
+
+    assert run(main, contexts=2) == "main goes on"

@@ -288,3 +288,29 @@ def test_a_guard_that_waits_fails_its_call_and_the_object_goes_on(run):
         ["the guard of _WaitsInGuard.g()"] * 3 + ["the guard of _WaitsInGuard.h()"]
     assert "must not wait" in errors[0] and "_Other.ok" in errors[0]
     assert (ran, alive) == (0, True)
+
+
+def _exits(self):
+    import sys
+    sys.exit(3)
+
+
+@mf.persistent
+class ExitingGuard:
+    @mf.guard(_exits)
+    def enter(self):
+        return "in"
+
+    def other(self):
+        return "other"
+
+
+def test_sys_exit_in_a_guard_fails_its_call_not_the_caller(run):
+    def main():
+        g = ExitingGuard.create(on=1)
+        with pytest.raises(mf.MacroflowError, match=r"guard of ExitingGuard.enter\(\) on "
+                                                    r"context 1 called sys.exit\(3\)"):
+            g.enter().result(timeout=10)
+        return g.other().result(timeout=10)
+
+    assert run(main, contexts=2) == "other"

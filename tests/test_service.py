@@ -834,3 +834,33 @@ def test_user_code_and_engine_code_switch_the_service_however_they_end(kind):
         assert svc.run_user(lambda a, b=0: a + b, (1,), {"b": 2}) == 3
     finally:
         svc.stop()
+
+
+@mf.persistent
+class SlowToDestroy:
+    def __init__(self, gate):
+        self.gate = gate
+
+    def __mf_destroy__(self):
+        while not gate_open(self.gate):
+            sum(range(1000))
+
+
+@pytest.mark.timeout(120)
+def test_a_context_running_a_destroy_hook_serves_as_during_a_method(transport, tmp_path):
+    if transport == "inproc":
+        pytest.skip("inproc: every context shares one thread")
+    gate = str(tmp_path / "gate")
+
+    def main():
+        h = Holder.create(on=1)
+        lazy(h)
+        f = h.value(5)
+        gone = mf.destroy(SlowToDestroy.create(gate, on=1))
+        got = f.result(timeout=30)  # the hook computes until the gate opens
+        open(gate, "w").close()
+        gone.result(timeout=30)
+        return got, mf.stats()[1]["served_while_busy"]
+
+    got, served = mf.run(main, contexts=2, transport=transport)
+    assert got == 5 and served >= 1

@@ -28,7 +28,7 @@ import hashlib
 import heapq
 import pickle
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from ..core import errors, marshal
 from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, RUNTIME_FILES, Call,
@@ -83,6 +83,12 @@ class HostedObject:
         self.label = label
         self.guarded: frozenset = frozenset()  # names of methods with a guard
         self.held: Optional[List[Any]] = None  # requests that came before the constructor ran
+
+
+def _run_hook(hook: Callable[[], Any]) -> None:
+    r = hook()
+    if isinstance(r, CoroutineType):
+        run_coroutine(r)
 
 
 def _describe(target, method) -> str:
@@ -359,7 +365,9 @@ class ObjectHost(Model):
                 raise
             except BaseException as e:  # a failing guard fails its call
                 note = f"raised by the guard of {obj.label}.{call.method}()"
-                if hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
+                was, e = e, errors.exited(f"the guard of {obj.label}.{call.method}() on "
+                                          f"context {eng.id}", e)
+                if e is was and hasattr(e, "add_note") and note not in getattr(e, "__notes__", ()):
                     e.add_note(note)  # (3.11 on) its message may not say it was the guard
                 obj.gready.remove(entry)
                 obj.queued -= 1
@@ -459,13 +467,16 @@ class ObjectHost(Model):
             ok, err = True, None
             if hook is not None:
                 try:
-                    r = hook()
-                    if isinstance(r, CoroutineType):
-                        run_coroutine(r)
+                    svc = eng.service  # served while it runs, as a method is
+                    if svc is None:
+                        _run_hook(hook)
+                    else:
+                        svc.run_user(_run_hook, (hook,), None)
                 except INTERRUPTS:
                     raise
                 except BaseException as e:  # the object is gone all the same
-                    ok, err = False, e
+                    ok, err = False, errors.exited(
+                        f"{obj.label}.__mf_destroy__() on context {eng.id}", e)
             eng._finish(call, ok, err)
             return
         eng._invoke(getattr(obj.instance, call.method, None), call)
