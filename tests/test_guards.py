@@ -314,3 +314,57 @@ def test_sys_exit_in_a_guard_fails_its_call_not_the_caller(run):
         return g.other().result(timeout=10)
 
     assert run(main, contexts=2) == "other"
+
+
+@pytest.mark.parametrize("body, match", [
+    ("@mf.guard(lambda self: self.a)\n    @mf.guard(lambda self: self.b)\n    def m(self): pass",
+     r"T.m has two guards"),
+    ("@mf.guard(lambda: True)\n    def m(self): pass",
+     r"the predicate is called with the object.*its signature is \(\)"),
+    ("@mf.guard(lambda self: False)\n    def __init__(self): pass",
+     r"T.__init__ has a guard, but a constructor runs once"),
+    ("@mf.guard(lambda self: False)\n    def _hidden(self): pass",
+     r"T._hidden has a guard, but only public methods are called through a handle"),
+])
+def test_guards_that_could_never_work_are_refused_when_the_class_is_made(body, match):
+    src = f"@mf.persistent\nclass T:\n    {body}\n"
+    with pytest.raises(TypeError, match=match):
+        exec(src, {"mf": mf})
+
+
+def _put(self, x):
+    self.items.append(x)
+    return len(self.items)
+
+
+@mf.persistent
+class Unbounded:
+    def __init__(self):
+        self.items = []
+
+    put = _put
+
+
+@mf.persistent
+class Bounded:
+    def __init__(self):
+        self.items = []
+
+    put = mf.guard(lambda self, x: len(self.items) < 1)(_put)
+
+    def take(self):
+        return self.items.pop()
+
+
+def test_a_guard_is_on_its_class_only_not_on_the_function_it_shares(run):
+    def main():
+        u, b = Unbounded.create(on=1), Bounded.create(on=1)
+        free = mf.gather([u.put(i) for i in range(3)], timeout=10)
+        first, second = b.put(1), b.put(2)  # the second waits for a take
+        first.result(timeout=10)
+        held = second.done()
+        b.take().result(timeout=10)
+        return free, held, second.result(timeout=10)
+
+    assert run(main, contexts=2) == ([1, 2, 3], False, 1)
+    assert not hasattr(_put, "__mf_guard__")

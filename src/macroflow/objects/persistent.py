@@ -368,6 +368,14 @@ def _check_guards(cls: type, what: str) -> None:
             seen.add(name)
             marks = _marks(attr)
             where = "" if klass is cls else f" (inherited from {klass.__qualname__})"
+            if "__mf_guard__" in marks and name.startswith("_"):
+                raise TypeError(
+                    f"{cls.__qualname__}.{name}{where} has a guard, but "
+                    + ("a constructor runs once, as the object is made: there is no call "
+                       "to hold back" if name == "__init__" else
+                       "only public methods are called through a handle, and a guard "
+                       "holds back calls")
+                    + "; put the guard on the public methods that must wait")
             if "__mf_guard_of__" in marks:
                 raise TypeError(
                     f"{cls.__qualname__}.{name}{where} is not a method: @mf.guard was used without "
@@ -557,10 +565,20 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     if not callable(predicate):
         raise TypeError(f"mf.guard() takes a predicate; got {type(predicate).__name__}")
     try:
-        params = list(inspect.signature(predicate).parameters.values())
-        takes_args = len(params) > 1 or any(p.kind == p.VAR_POSITIONAL for p in params)
+        sig = inspect.signature(predicate)
     except (TypeError, ValueError):
-        takes_args = False
+        sig = None
+    takes_args = False
+    if sig is not None:
+        params = list(sig.parameters.values())
+        takes_args = len(params) > 1 or any(p.kind == p.VAR_POSITIONAL for p in params)
+        try:
+            sig.bind_partial(None)
+        except TypeError:
+            raise TypeError(f"mf.guard({_name(predicate)}): the predicate is called with the "
+                            f"object, as predicate(self) (or predicate(self, *args) to see the "
+                            f"call's arguments), but its signature is {sig}; write "
+                            f"mf.guard(lambda self: <condition>)") from None
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         # on the function itself: the object finds it through getattr(cls, name),
@@ -570,8 +588,17 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
             raise TypeError(f"mf.guard(predicate) decorates a method of a @mf.persistent class, "
                             f"as in @mf.guard(lambda self: <condition>) above def method(self); "
                             f"got {type(fn).__name__}")
+        if "__mf_guard__" in getattr(target, "__dict__", {}):
+            raise TypeError(f"{_name(target)} has two guards (@mf.guard twice): a method has one; "
+                            f"make it one predicate that says both, as in "
+                            f"@mf.guard(lambda self: <first> and <second>)")
         if takes_args:
             _check_guard_fits(predicate, fn, target)
+        if isinstance(target, types.FunctionType):
+            # a copy is marked, not the function: another class (or the module)
+            # may hold the same function, and its calls have no guard
+            target = _copy_function(target)
+            fn = type(fn)(target) if isinstance(fn, (staticmethod, classmethod)) else target
         target.__mf_guard__ = predicate  # type: ignore[attr-defined]
         target.__mf_guard_args__ = takes_args  # type: ignore[attr-defined]
         return fn
@@ -579,6 +606,20 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     # a class decorator that finds this in place of a method: a bare @mf.guard
     deco.__mf_guard_of__ = predicate  # type: ignore[attr-defined]
     return deco
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _copy_function(fn: types.FunctionType) -> types.FunctionType:
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    new.__annotations__ = dict(fn.__annotations__)
+    new.__dict__.update(fn.__dict__)
+    return new
 
 
 def rtf(value: Any) -> None:
