@@ -271,3 +271,46 @@ def test_a_model_that_claims_a_served_call_kind_is_refused():
         core.unregister_model("thief")
     with mf.init(contexts=1, transport="inproc"):
         assert "thief" not in core.current_engine().models
+
+
+def test_macroflows_own_opcodes_cannot_be_unregistered():
+    with pytest.raises(ValueError, match=f"opcode {core.FATAL} is macroflow's own"):
+        core.unregister(core.FATAL)
+    assert core.FATAL in core.HANDLERS
+
+
+def _raises(eng, src, msg):
+    raise RuntimeError(f"bad message {msg[1]}")
+
+
+@mf.persistent
+class Poster:
+    def post(self, dest, opcode, what):
+        from macroflow.core.context import current_engine
+        eng = current_engine()
+        eng.send(dest, (opcode, what))
+        return "posted"
+
+    def ok(self):
+        return "alive"
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_handler_that_raises_is_reported_and_its_context_serves_on(run, transport,
+                                                                              capfd):
+    if transport == "mpi":
+        pytest.skip("registered in this process: spawned MPI ranks do not have it")
+    core.register(212, _raises)
+    try:
+        def main():
+            p, q = Poster.create(on=0), Poster.create(on=1)
+            p.post(1, 212, "one").result(10)
+            q.post(1, 212, "two").result(10)  # (to itself)
+            return q.ok().result(10), mf.stats()[1]["handler_errors"]
+
+        assert run(main, contexts=2) == ("alive", 2)
+    finally:
+        core.unregister(212)
+    err = capfd.readouterr().err
+    assert "the handler of opcode 212 (_raises) raised on a message from context 0" in err
+    assert "RuntimeError: bad message one" in err and "RuntimeError: bad message two" in err

@@ -1048,3 +1048,31 @@ def test_calls_that_depended_on_a_killed_context_say_how_it_ended(transport):
 
     said = mf.run(main, contexts=4, transport=transport)
     assert all("killed by signal SIGKILL" in s for s in said), said
+
+
+def _nested():
+    return 1
+
+
+@mf.persistent
+class Starter:
+    def nested_run(self):
+        return mf.run(_nested, contexts=2)
+
+    def nested_init(self):
+        return mf.init(contexts=2)
+
+
+@pytest.mark.timeout(60)
+def test_starting_a_computation_inside_a_method_says_a_method_cannot(run):
+    def main():
+        out = []
+        for on in (0, 1):
+            s = Starter.create(on=on)
+            for f in (s.nested_run(), s.nested_init()):
+                with pytest.raises(RuntimeError) as e:
+                    f.result(timeout=20)
+                out.append(str(e.value).split(":")[0])
+        return out
+
+    assert run(main, contexts=2) == ["mf.run()/mf.init() was called inside a method"] * 4

@@ -84,6 +84,10 @@ from .spmd.program import spmd as spmd
 
 __version__ = "0.1.0"
 
+from .core.context import seal_opcodes as _seal_opcodes  # noqa: E402
+
+_seal_opcodes()  # macroflow's own opcodes are registered by now: the rest are users'
+
 # every name re-exported above ("from X import n as n"), and no submodule:
 # what `from macroflow import *` gives
 __all__ = sorted(n for n, v in list(globals().items())

@@ -1214,6 +1214,11 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got 'fast'
     """
     if _ctx._state.default is not None:
+        from .core.threads import Worker, getcurrent
+        if isinstance(getcurrent(), Worker):
+            raise RuntimeError("mf.run()/mf.init() was called inside a method: a method runs "
+                               "in a computation and cannot start another; make the calls "
+                               "it needs on objects of this one")
         if any(s.in_run for s in _sessions):  # (where mf.shutdown() is refused)
             raise RuntimeError("a macroflow computation is already running in this process: "
                                "this is the main function of mf.run(), which runs in it; use "

@@ -1188,10 +1188,33 @@ class Engine:
         # CALL, the commonest, is handled in _process before this
         handler = HANDLERS.get(msg[0])
         if handler is not None:
-            handler(self, src, msg)
+            if msg[0] in _FOREIGN:
+                self.run_foreign(handler, src, msg)
+            else:
+                handler(self, src, msg)
         else:
             print(f"macroflow: context {self.id} got a message with opcode {msg[0]!r} from "
                   f"context {src}, which nothing registered; dropped", file=sys.stderr)
+
+    def run_foreign(self, handler: Handler, src: int, msg: tuple) -> Any:
+        """Run the handler of an opcode registered outside macroflow: what
+        it raises is said on stderr and the message dropped; the context
+        serves on (an error of macroflow's own handlers ends the context, as
+        a bug of the runtime)."""
+        try:
+            return handler(self, src, msg)
+        except INTERRUPTS:
+            raise
+        except BaseException as e:
+            if isinstance(e, errors.Terminated):
+                raise
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            print(f"macroflow: context {self.id}: the handler of opcode {msg[0]} "
+                  f"({_OWNERS.get(msg[0])}) raised on a message from context {src}; the "
+                  f"message was dropped and the context serves on:\n{tb}", file=sys.stderr,
+                  end="")
+            self.stats.handler_errors += 1
+            return None
 
     def _undecodable(self, src: int, bufs: List[Any], e: BaseException) -> Optional[tuple]:
         """A message that could not be unpickled here (a class this process
@@ -2141,6 +2164,8 @@ class Engine:
             print(f"macroflow: context {self.id} could not decode a message from "
                   f"context {src}: {e!r}", file=sys.stderr)
             return True
+        if _peek_op(b0) in _FOREIGN:
+            return self.run_foreign(served, src, msg) is not False
         return served(self, src, msg) is not False  # False: it waits for its turn
 
     def _call_queued(self, fid: Any) -> bool:
@@ -2508,6 +2533,22 @@ HANDLERS: Dict[int, Handler] = {}
 SERVED_WHILE_BUSY: Dict[int, Handler] = {}
 
 _OWNERS: Dict[int, str] = {}  # opcode -> who registered it, for errors
+_FOREIGN: set = set()  # opcodes whose handlers are not macroflow's (Engine.run_foreign)
+_SEALED = False  # set once `import macroflow` has registered macroflow's own
+
+
+def seal_opcodes() -> None:
+    """Every opcode registered from now on is a user's (see
+    :meth:`Engine.run_foreign`); ``import macroflow`` calls it last.
+
+    Example:
+        >>> import macroflow
+        >>> from macroflow.core import context
+        >>> context._SEALED, context.FATAL in context._FOREIGN
+        (True, False)
+    """
+    global _SEALED
+    _SEALED = True
 
 #: Where the large payload buffers of a message land, by opcode:
 #: landing(engine, src, head, nbytes) -> a writable memoryview of nbytes, or
@@ -2580,6 +2621,8 @@ def register(opcode: int, handler: Handler, served_while_busy: Any = False,
                         f"got {type(landing).__name__}")
     HANDLERS[opcode] = handler
     _OWNERS[opcode] = getattr(handler, "__qualname__", repr(handler))
+    if _SEALED:
+        _FOREIGN.add(opcode)
     if served_while_busy:
         SERVED_WHILE_BUSY[opcode] = handler if served_while_busy is True else served_while_busy
     if landing is not None:
@@ -2604,6 +2647,11 @@ def unregister(opcode: int) -> None:
     """
     if opcode == CALL or opcode not in HANDLERS:
         raise ValueError(f"opcode {opcode!r} is not registered (registered: {sorted(HANDLERS)})")
+    if opcode not in _FOREIGN:
+        raise ValueError(f"opcode {opcode} is macroflow's own ({_OWNERS[opcode]}): every "
+                         f"computation needs it; only opcodes registered outside macroflow "
+                         f"can be unregistered")
+    _FOREIGN.discard(opcode)
     del HANDLERS[opcode]
     del _OWNERS[opcode]
     SERVED_WHILE_BUSY.pop(opcode, None)
