@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import macroflow as mf
+from macroflow.cli import ArgumentParser
 
 CHUNK = 1 << 20  # darts per numpy batch: keeps each task's memory at ~16 MB
 
@@ -67,7 +68,7 @@ def reduce_tree(worker: Worker, leaves: list, arity: int) -> mf.Future:
 
 
 def parse_args(argv: list) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])  # help and errors: rank 0 alone
     p.add_argument("--contexts", type=int, default=None,
                    help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--tasks-per-worker", type=int, default=8, help="m: tasks per worker (default 8)")
@@ -84,6 +85,8 @@ def parse_args(argv: list) -> argparse.Namespace:
         p.error("--arity must be at least 2, --tasks-per-worker and --samples at least 1")
     if args.contexts is not None and args.contexts < 1:
         p.error("--contexts must be at least 1")
+    if args.seed < 0:
+        p.error("--seed must be at least 0 (numpy's seeds are)")
     if args.wait_for is not None and (args.listen is None or args.wait_for < 1):
         p.error("--wait-for N needs --listen, and N at least 1")
     return args

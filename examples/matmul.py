@@ -34,6 +34,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import macroflow as mf  # noqa: E402
+from macroflow.cli import ArgumentParser  # noqa: E402
 
 
 @mf.persistent
@@ -103,7 +104,7 @@ def distribute(a: np.ndarray, k: int) -> Matrix:
 
 
 def parse_args(argv: list) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])  # help and errors: rank 0 alone
     p.add_argument("--contexts", type=int, default=None,
                    help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--size", type=int, default=3000, help="n: the matrices are n x n (default 3000)")
@@ -119,7 +120,7 @@ def parse_args(argv: list) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    k = args.blocks or min(mf.num_contexts(), os.cpu_count() or 1)
+    k = args.blocks or min(mf.num_contexts(), os.cpu_count() or 1, args.size)
     rng = np.random.default_rng(args.seed)
     a = rng.standard_normal((args.size, args.size))
     b = rng.standard_normal((args.size, args.size))

@@ -29,6 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 import macroflow as mf  # noqa: E402
+from macroflow.cli import ArgumentParser  # noqa: E402
 
 
 def block_rows(index: int, n: int, blocks: int) -> tuple:
@@ -55,7 +56,7 @@ class RowBlock:
 
 
 def parse_args(argv: list) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])  # help and errors: rank 0 alone
     p.add_argument("--size", type=int, default=2000, help="A is size x size (default 2000)")
     p.add_argument("--blocks", type=int, default=None, help="row blocks (default: one per context)")
     p.add_argument("--contexts", type=int, default=None,

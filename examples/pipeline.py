@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 import macroflow as mf
+from macroflow.cli import ArgumentParser
 
 
 def generate(item: int, seed: int, min_size: int, max_size: int) -> np.ndarray:
@@ -104,7 +105,7 @@ def run_dataflow(items, a):
 
 
 def parse_args(argv: list) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])  # help and errors: rank 0 alone
     p.add_argument("--contexts", type=int, default=None,
                    help="number of contexts (default: one per core; under mpiexec, one per rank)")
     p.add_argument("--items", type=int, default=24, help="signals through the pipeline (default 24)")

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import macroflow as mf
+from macroflow.cli import ArgumentParser
 
 
 def band_rows(index: int, n: int, bands: int) -> tuple:
@@ -99,7 +100,7 @@ def serial(n: int, iterations: int) -> np.ndarray:
 
 
 def parse_args(argv: list) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])  # help and errors: rank 0 alone
     p.add_argument("--size", type=int, default=256, help="the grid is size x size (default 256)")
     p.add_argument("--iterations", type=int, default=200, help="Jacobi iterations (default 200)")
     p.add_argument("--contexts", type=int, default=None,

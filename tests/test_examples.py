@@ -125,6 +125,7 @@ def test_examples_default_to_the_runtimes_number_of_contexts():
     ("matmul.py --blocks 0", "--blocks from 1 to --size"),
     ("matmul.py --size 5 --blocks 6", "--blocks from 1 to --size"),
     ("matvec.py --contexts 0", "--contexts and --blocks must be at least 1"),
+    ("fanout.py --seed -1", "--seed must be at least 0"),
 ])
 def test_an_example_given_a_bad_option_says_which(command, says):
     # a usage error (exit 2, one line), not a traceback from numpy or from
@@ -159,6 +160,24 @@ def test_matmul_more_blocks_than_contexts():
     # more blocks than contexts, and a size that does not divide evenly
     out = run([sys.executable, "examples/matmul.py", "--contexts", "2", "--size", "101", "--blocks", "4"])
     assert "verified against numpy: yes" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_matmul_of_fewer_rows_than_contexts_makes_a_block_a_row():
+    out = run([sys.executable, "examples/matmul.py", "--contexts", "2", "--size", "1"])
+    assert "k=1 row blocks on 2 contexts" in out and "verified against numpy: yes" in out, out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+@pytest.mark.parametrize("options, code", [(["--help"], 0), (["--seed", "-1"], 2)])
+def test_an_examples_help_and_usage_errors_are_said_by_rank_0_alone(rank, shown, options, code):
+    # every rank of mpiexec parses the command line: one text, not one a rank
+    env = dict(os.environ, PMI_RANK=rank, PMI_SIZE="2")
+    proc = subprocess.run([sys.executable, "examples/fanout.py", *options], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == code, proc.stderr
+    assert ("usage: fanout.py" in proc.stdout + proc.stderr) == shown, (proc.stdout, proc.stderr)
 
 
 @pytest.mark.timeout(120)

@@ -1249,6 +1249,15 @@ def test_macroflow_run_usage_errors_under_mpiexec_are_said_once(tmp_path, given,
     assert out.stderr.count("error:") == 1 and said in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("given", [["run", "--help"], ["--help"], ["--version"]])
+def test_macroflow_help_and_version_under_mpiexec_are_said_once(given):
+    out = subprocess.run([M._find_mpiexec(), "-n", "2", sys.executable, "-m", "macroflow",
+                          *given], capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr
+    said = "macroflow 0." if given == ["--version"] else "usage: macroflow"
+    assert out.stdout.count(said) == 1, out.stdout
+
+
 def test_macroflow_run_mpi_refuses_more_ranks_than_the_host_can_hold(tmp_path):
     # (it started mpiexec -n 100000000)
     script = tmp_path / "job.py"

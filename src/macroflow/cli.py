@@ -636,33 +636,49 @@ def function_name(text: str) -> str:
     return text
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose usage errors, under mpiexec (every rank runs
-    the same command), rank 0 alone says; every rank exits 2.
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` for scripts that may run under mpiexec,
+    where every rank parses the same command line: rank 0 alone prints help,
+    version and usage errors; every rank exits as argparse would (0 after
+    ``--help``, 2 after an error). Elsewhere it is argparse's own.
 
     Example:
+        >>> from macroflow.cli import ArgumentParser
+        >>> p = ArgumentParser(prog="demo")
+        >>> _ = p.add_argument("--size", type=int, default=8)
+        >>> p.parse_args(["--size", "3"]).size
+        3
         >>> try:
-        ...     _Parser(prog="x").error("bad")
+        ...     p.error("bad")
         ... except SystemExit as e:
         ...     e.code
         2
     """
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not _rank_0():
+            return
+        super()._print_message(message, file)
+
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
-        from macroflow.transport.mpi import world_from_environment
-        world = world_from_environment()
-        if world is not None and world[0] != 0:
+        if not _rank_0():
             raise SystemExit(2)
         super().error(message)
+
+
+def _rank_0() -> bool:
+    from macroflow.transport.mpi import world_from_environment
+    world = world_from_environment()
+    return world is None or world[0] == 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from macroflow.core.placement import POLICIES
     from macroflow.transport.base import REGISTRY
     from macroflow import __version__
-    p = _Parser(prog="macroflow", description="parallel objects and macro dataflow")
+    p = ArgumentParser(prog="macroflow", description="parallel objects and macro dataflow")
     p.add_argument("--version", action="version", version=f"macroflow {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser,
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=ArgumentParser,
                            title="commands (macroflow COMMAND --help for more)")
     r = sub.add_parser("run", help="run a script's main() on N contexts")
     r.add_argument("-n", type=positive_int, default=None, metavar="N",
