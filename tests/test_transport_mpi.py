@@ -1258,6 +1258,16 @@ def test_macroflow_help_and_version_under_mpiexec_are_said_once(given):
     assert out.stdout.count(said) == 1, out.stdout
 
 
+def test_contexts_added_under_mpiexec_are_checked_against_the_hosts_memory(monkeypatch):
+    # (mf.add_contexts(100000) in an mpiexec job spawned interpreters until the
+    # host had 84 MB left: the job's ranks exist, the added ones are spawned)
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    M.check_room(10 ** 6)  # the job's own ranks: nothing to start
+    with pytest.raises(mf.LimitError, match="do not fit in this host's memory"):
+        M.check_room(10 ** 6 + 1, adding=True)
+
+
 def test_macroflow_run_mpi_refuses_more_ranks_than_the_host_can_hold(tmp_path):
     # (it started mpiexec -n 100000000)
     script = tmp_path / "job.py"

@@ -2583,11 +2583,13 @@ def check_room(contexts: int, adding: bool = False) -> None:
 
     Under mpiexec the ranks exist already; otherwise the ``contexts - 1``
     spawned interpreters must fit in memory (:data:`CONTEXT_MEMORY` each).
+    Contexts added while running (``adding``) are spawned under mpiexec too,
+    so they are checked there as well.
 
     Example:
         >>> check_room(2)
     """
-    if world_from_environment() is not None:
+    if world_from_environment() is not None and not adding:
         return
     from ..core.errors import LimitError
     from .local import _mem_available, room_advice
