@@ -655,14 +655,22 @@ def test_a_certificate_and_key_given_the_wrong_way_round_are_named():
 
 def test_wait_contexts_does_not_count_a_context_that_died_before_it_was_called():
     import psutil
-    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
-        w = start_worker(s.launcher.address, n=2)
-        mf.wait_contexts(4, timeout=60)
-        pid = mf.contexts()[3].pid
-        os.kill(pid, signal.SIGKILL)
-        psutil.Process(pid).wait(30)  # gone: its connection is closed
-        with pytest.raises(mf.TimeoutError, match="3 contexts after 0.2 s, not 4"):
-            mf.wait_contexts(4, timeout=0.2)
-        states = [c.state for c in mf.contexts()]
-    finish(w)
+    w = None
+    try:
+        with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+            w = start_worker(s.launcher.address, n=2)
+            mf.wait_contexts(4, timeout=60)
+            pid = mf.contexts()[3].pid
+            proc = psutil.Process(pid)
+            os.kill(pid, signal.SIGKILL)
+            try:
+                proc.wait(30)  # gone: its connection is closed
+            except psutil.NoSuchProcess:
+                pass  # (gone, and reaped by its worker, as it was looked at)
+            with pytest.raises(mf.TimeoutError, match="3 contexts after 0.2 s, not 4"):
+                mf.wait_contexts(4, timeout=0.2)
+            states = [c.state for c in mf.contexts()]
+    finally:
+        if w is not None:
+            finish(w)  # (its worker ends with the computation)
     assert states == ["running"] * 3 + ["lost"]

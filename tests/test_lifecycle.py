@@ -936,6 +936,47 @@ def test_a_ctrl_c_while_the_runtime_forks_is_raised_after_the_fork_and_not_in_th
     assert "Exception ignored" not in out.stderr, out.stderr
 
 
+USER_FORK_INTERRUPTED = r"""
+import os, signal, threading
+from macroflow.core import threads
+
+# a Ctrl-C pending as the fork hook sets its handler: Python runs the handler
+# at once (as signal.signal does when a signal came just before)
+real = signal.signal
+def pending(signum, handler):
+    previous = real(signum, handler)
+    if handler is threads._hold_interrupt:
+        handler(signum, None)
+    return previous
+signal.signal = pending
+import time
+t = time.monotonic()
+try:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    threading.Event().wait(20)
+    print("no interrupt", flush=True)
+except KeyboardInterrupt:
+    # (at once: not once the wait, on a lock, has timed out)
+    print("interrupted after the fork", time.monotonic() - t < 10, flush=True)
+signal.signal = real
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_ctrl_c_pending_as_user_code_forks_is_raised_after_the_fork():
+    # (the hook took the Ctrl-C for a lock to release: every fork after it
+    # said "'bool' object has no attribute 'lock'", and Ctrl-C was ignored
+    # for the rest of the program: `bench micro` could not be stopped)
+    out = subprocess.run([sys.executable, "-c", USER_FORK_INTERRUPTED], capture_output=True,
+                         text=True, timeout=50)
+    assert out.stdout.splitlines() == ["interrupted after the fork True", "True"], \
+        out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+
+
 TEARDOWN_INTERRUPTED = r"""
 import os, signal, sys, threading, time
 import macroflow as mf

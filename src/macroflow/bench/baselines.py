@@ -4,7 +4,8 @@ Each baseline uses the transport macroflow itself uses -- an AF_UNIX stream
 socketpair between a parent and an ``os.fork()``-ed child on one host -- but
 with none of the runtime in between, so the numbers are a floor that
 macroflow's own overhead is measured against.  This module deliberately
-imports nothing from macroflow.
+imports nothing from macroflow's runtime but its fork (which keeps a Ctrl-C
+that comes as a child is made: see :func:`fork_child`).
 
 Run ``python -m macroflow.bench.baselines`` for a summary table.
 """
@@ -41,6 +42,29 @@ def _die_with_parent(ppid):
         os._exit(1)
 
 
+def fork_child() -> int:
+    """``os.fork()`` for a benchmark's hand-coded process, through the
+    runtime's fork: a Ctrl-C as it forks is raised in the parent once the fork
+    has returned, the child killed (Python drops what a fork hook raises: the
+    benchmark ran on), and the child ignores Ctrl-C, which is its parent's to
+    handle.
+
+    Example:
+        >>> pid = fork_child()
+        >>> if pid == 0:
+        ...     os._exit(0)
+        >>> os.waitpid(pid, 0)[1]
+        0
+    """
+    from macroflow.core.threads import fork
+    return fork(interrupted=_kill_and_reap)
+
+
+def _kill_and_reap(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
 @contextlib.contextmanager
 def _forked(child_fn):
     """Fork a child running ``child_fn(sock)``; yield ``(sock, fork_ns)``.
@@ -51,7 +75,7 @@ def _forked(child_fn):
     psock, csock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ppid = os.getpid()
     fork_ns = time.perf_counter_ns()
-    pid = os.fork()
+    pid = fork_child()
     if pid == 0:
         code = 1
         try:

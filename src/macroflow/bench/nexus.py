@@ -45,7 +45,6 @@ Run ``macroflow bench nexus [--quick] [--json FILE]``;
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import math
@@ -64,6 +63,7 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.bench import json_problem, progress_printer, suite_main, write_json
+from macroflow.bench.baselines import _die_with_parent, fork_child
 
 #: message sizes, in float64 elements: 8 B, 128 B, 1 KiB, 8 KiB, 64 KiB, 512 KiB, 1 MiB
 SIZES = (1, 16, 128, 1024, 8192, 65536, 131072)
@@ -242,16 +242,6 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Optional[float]:
 # --------------------------------------------------------------------------- hand-coded
 
 
-def _die_with_parent(ppid: int) -> None:
-    # A spinning echo process must never outlive a killed benchmark.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != ppid:
-        os._exit(1)
-
-
 class Wire:
     """Length-prefixed raw bytes over a non-blocking stream socket, waiting as
     the ``local`` transport waits: poll for ``spin_us`` (yielding the core
@@ -394,7 +384,7 @@ class HandCoded:
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
         ppid = os.getpid()
-        pid = os.fork()
+        pid = fork_child()
         if pid == 0:  # the echo process
             code = 1
             try:

@@ -57,6 +57,7 @@ import numpy as np
 
 import macroflow as mf
 from macroflow.bench import cores, json_problem, progress_printer, suite_main, write_json
+from macroflow.bench.baselines import fork_child
 from macroflow.bench.nexus import (_die_with_parent, _median, _us, _x, paired_ratio, size_label,
                                   summarize)
 from macroflow.core.context import current_engine
@@ -216,7 +217,7 @@ class Fetcher:
         from macroflow.bench.nexus import Wire
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ppid = os.getpid()
-        pid = os.fork()
+        pid = fork_child()
         if pid == 0:
             code = 1
             try:
@@ -735,7 +736,7 @@ def shm_barrier_us(layout: str, n: int, count: int, yield_cpu: bool) -> float:
     try:
         ppid = os.getpid()
         for rank in range(1, n):
-            pid = os.fork()
+            pid = fork_child()
             if pid == 0:
                 code = 1
                 try:

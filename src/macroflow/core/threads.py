@@ -326,11 +326,13 @@ def quiesce(wait: float = 1.0) -> None:
             t.lock.release()
 
 
-_forking: List[Any] = []  # the locks _before_fork holds, and a Ctrl-C it kept
+_forking: List[Any] = []  # the locks _before_fork holds
+_fork_keeps: List[bool] = []  # whether _before_fork keeps a Ctrl-C back
+_fork_held: List[int] = []  # a Ctrl-C it kept
 
 
 def _hold_interrupt(signum: int, frame: Any) -> None:
-    _forking.append(None)
+    _fork_held.append(signum)
 
 
 _guarded: List[bool] = []  # non-empty while fork() forks: it keeps Ctrl-C itself
@@ -382,12 +384,14 @@ def _before_fork() -> None:
     # thread. A Ctrl-C while it waits for one would be lost (Python reports,
     # and drops, what a fork hook raises) and would leave locks taken that
     # the parent then releases: it is kept, and raised once the fork returns
-    # (the runtime's own forks keep it themselves: see fork).
+    # (the runtime's own forks keep it themselves: see fork). What is kept
+    # has lists of its own: a Ctrl-C pending as the handler is set runs it
+    # at once, before anything else here.
     keep = not _guarded and threading.current_thread() is threading.main_thread() and \
         signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _fork_keeps.append(keep)
     if keep:
         signal.signal(signal.SIGINT, _hold_interrupt)
-    _forking.append(keep)
     for t in list(_live):
         t.lock.acquire()
         _forking.append(t)
@@ -395,23 +399,22 @@ def _before_fork() -> None:
 
 def _after_fork(child: bool) -> None:
     taken, _forking[:] = _forking[:], []
-    if not taken:
-        return
-    for t in taken[1:]:
-        if t is not None:
-            t.lock.release()
-    if taken[0]:
+    keeps, _fork_keeps[:] = _fork_keeps[:], []
+    for t in taken:
+        t.lock.release()
+    if any(keeps):
         # a Ctrl-C the fork held back is handled now, by _hold_interrupt
         # (this call runs what is pending), not after the handler is back
         signal.pthread_sigmask(signal.SIG_BLOCK, ())
-        taken += _forking  # (what it noted meanwhile)
-        _forking[:] = []
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if not child and None in taken:
+        held, _fork_held[:] = bool(_fork_held), []
+        if not child and held:
             # raised here, it would be dropped as the hook's own error: a
             # moment later, from another thread, it reaches the fork's caller
-            import _thread
-            threading.Timer(0.05, _thread.interrupt_main).start()
+            # (a signal, not _thread.interrupt_main, which would wait for a
+            # lock the main thread waits on to be taken or time out)
+            threading.Timer(0.05, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT)).start()
 
 
 def _after_fork_parent() -> None:
