@@ -51,7 +51,26 @@ def no_leftover_processes():
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         left = our_processes()
+    _clear(left)  # (so that one test's leftovers fail it alone, not the tests after it)
     assert left == [], f"processes left behind: {left}"
+
+
+def _clear(left) -> None:
+    """Kill what a test left running and reap this process's children that
+    have ended (a test that failed before it waited for its subprocess)."""
+    import os
+    import signal
+    for p in left:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except Exception:
+            pass
+    for p in our_processes(zombies=True):
+        try:
+            if p.ppid() == os.getpid():
+                p.wait(5)
+        except Exception:
+            pass
 
 
 _SESSION_START = time.time()
