@@ -6,10 +6,10 @@ is that every figure was measured, that derived figures agree with the ones
 they come from, and that each bar's verdict follows from its ratio.
 """
 
+import io
 import json
 import math
 
-import psutil
 import pytest
 
 import macroflow.bench as bench
@@ -48,6 +48,16 @@ def test_quick_micro_suite_writes_every_figure(tmp_path, capsys):
         assert title in printed
 
     res = json.loads(out.read_text())
+    # the plain-text tables (without rich, or into a file): a category stands
+    # apart from its row's label, and a count of tasks is a whole number
+    text = io.StringIO()
+    micro.report(res, out=text)
+    lines = text.getvalue().splitlines()
+    assert any(line.startswith("Communication New and delete a message") for line in lines), lines
+    metg = lines.index(next(line for line in lines if line.startswith("METG(50%)")))
+    assert "ran on (tasks x 2 batches)" in lines[metg + 1], lines[metg + 1]
+    first = lines[metg + 3].split()
+    assert first[:2] == [f"{micro.QUICK.metg_grid_us[0]:g}", f"{res['metg']['curve'][0]['n_tasks']:,}"]
     for section in ("meta", "baselines", "table1", "flops", "table2", "metg", "bars", "rounds"):
         assert section in res
     assert "peers" not in res  # other systems are measured by the peers suite, never quoted

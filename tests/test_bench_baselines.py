@@ -155,3 +155,17 @@ def test_a_frame_larger_than_the_mailbox_is_refused():
         box.put(b"x" * baselines._BOX)
     a.close()
     b.close()
+
+
+@pytest.mark.timeout(120)
+def test_quick_baselines_are_a_smoke_run(tmp_path, capsys):
+    # (--quick ran the full baselines: 2000 round trips a mode, a 16 MiB array)
+    import json
+    import macroflow.bench as bench
+    out = tmp_path / "b.json"
+    assert bench.main("baselines", json_path=str(out), quick=True) == 0
+    res = json.loads(out.read_text())
+    assert res["quick"] is True
+    assert res["bandwidth"]["nbytes"] == 2 ** 20
+    assert set(res["pingpong"]) == set(baselines.MODES)
+    assert "pingpong busypoll" in capsys.readouterr().out

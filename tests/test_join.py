@@ -180,6 +180,18 @@ def test_a_workers_context_that_computes_when_the_computation_ends_ends_with_it(
         assert result == "main ended"
 
 
+def test_a_worker_with_tls_at_a_computation_without_it_is_said_to_use_tls(caplog):
+    # (the computation said it sent garbage, and the worker that TLS failed)
+    from transport_harness import certificate
+    cert, key = certificate()
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address, extra=("--tls-cert", cert, "--tls-key", key))
+        code, err = serve_until_done(w)
+        assert code == 1 and "could not join" in err and "TLS handshake failed" in err, err
+        assert mf.num_contexts() == 2
+    assert "(a TLS handshake: it uses TLS and this context does not)" in caplog.text, caplog.text
+
+
 def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharmed(caplog):
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         w = start_worker(s.launcher.address, secret="another secret of sixteen bytes")
@@ -187,6 +199,7 @@ def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharm
         assert code == 1
         assert "could not join" in err and "secret" in err
         assert err.count("does not know this context's secret") == 1, err  # said once
+        assert "TLS" not in err, err  # (the reason is known: no guess besides it)
         assert mf.num_contexts() == 2
         assert Where.create(on=1).here().result()[0] == 1
 
@@ -211,6 +224,24 @@ def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
             f"this computation Python {ours['python']} with cloudpickle {ours['cloudpickle']}"
             in err), err
     assert "run the worker with the same versions" in err
+
+
+def test_a_worker_of_another_macroflow_version_is_refused_once_by_what_it_is():
+    # (the worker said it twice, once through its log; named itself by its
+    # guest id, "context 2225219069"; and guessed at TLS)
+    code = ("import sys, macroflow.transport.tcp as t; t._version = lambda: (9, 9); "
+            "import macroflow.join as j; sys.exit(j.worker_main(sys.argv[1], 1))")
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
+               "MACROFLOW_SECRET": SECRET}
+        w = subprocess.Popen([sys.executable, "-c", code, s.launcher.address], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rc, err = serve_until_done(w)
+        assert mf.num_contexts() == 2
+    assert rc == 1
+    assert err.count("same major.minor version") == 1, err
+    assert "and a joining worker runs 9.9" in err, err
+    assert "TLS" not in err, err
 
 
 def test_garbage_at_the_door_is_closed_and_the_computation_is_unharmed():
@@ -615,6 +646,16 @@ def test_a_secret_given_as_bytes_is_the_same_secret_as_that_text():
         w = start_worker(s.launcher.address)
         assert mf.wait_contexts(3, timeout=60) == 3
         assert Where.create(on=2).here().result(30)[0] == 2
+    assert finish(w)[0] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_secret_with_surrounding_white_space_is_the_secret_the_workers_read():
+    # (a worker drops it from MACROFLOW_SECRET or its file; secret= kept it,
+    # and that worker was refused)
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=f"  {SECRET}\n") as s:
+        w = start_worker(s.launcher.address)
+        assert mf.wait_contexts(3, timeout=60) == 3
     assert finish(w)[0] == 0
 
 

@@ -424,7 +424,7 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
     # a failed join is said once, below, with its reason: not by the door's log too
     tcp_log = logging.getLogger("macroflow.tcp")
     level = tcp_log.level
-    tcp_log.setLevel(logging.ERROR)
+    tcp_log.setLevel(logging.CRITICAL)
     try:
         multi.learn(0, (("tcp", connect),))
         multi.send_control(0, "join", {"n": n, "tcp": addresses, "node": node_name(),
@@ -441,7 +441,8 @@ def worker_main(connect: str, n: int = 1, secret: Optional[str] = None,
         for s in listeners:
             s.close()
         why = lost[0] if lost else f"no answer within {JOIN_WAIT:g} s"
-        if tls[0] is None and lost:
+        if tls[0] is None and "the connection failed:" in why:
+            # (a computation that speaks TLS resets the connection, saying nothing)
             why += " (if the computation uses TLS, give --tls-cert and --tls-key)"
         print(f"macroflow worker: could not join the computation at {connect}: {why}", file=out)
         return 1

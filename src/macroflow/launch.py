@@ -1189,7 +1189,8 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
             contexts started here talk to each other by the local path and
             to workers over TCP (see :mod:`macroflow.join`).
         secret: the computation's secret for workers (at least 16
-            characters); default MACROFLOW_SECRET or MACROFLOW_SECRET_FILE,
+            characters, surrounding white space dropped, as the workers
+            drop it); default MACROFLOW_SECRET or MACROFLOW_SECRET_FILE,
             else a new one, printed on standard error for you to hand on.
         tls: ``(certificate file, key file)`` to speak TLS with workers
             (every host uses the same pair).
@@ -1276,7 +1277,9 @@ def _listen_launcher(transport: str, listen: Any, secret: Optional[str],
         if not isinstance(secret, str):
             raise TypeError(f"secret= must be a str (or UTF-8 bytes); got "
                             f"{type(secret).__name__}")
-        secret = _check_secret(secret, "secret=")
+        # (surrounding white space goes, as from MACROFLOW_SECRET or a file:
+        # the workers read theirs so, and would be refused)
+        secret = _check_secret(secret.strip(), "secret=")
     else:
         secret = load_secret()
 

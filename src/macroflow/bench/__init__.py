@@ -149,7 +149,7 @@ def main(suite: str = "micro", json_path: Optional[str] = None, quick: bool = Fa
         return tulip.main(json_path=json_path, quick=quick)
     if suite == "baselines":
         from . import baselines
-        baselines.main(json_path=json_path)
+        baselines.main(json_path=json_path, quick=quick)
         return 0
     print(f"macroflow bench: unknown suite {suite!r}; choose one of {', '.join(SUITES)}",
           file=sys.stderr)

@@ -417,20 +417,28 @@ def fork_roundtrip_startup(runs=5):
             "max_us": float(us.max()), "runs": float(runs)}
 
 
-def main(json_path=None):
+def main(json_path=None, quick=False):
     """Print every baseline as a small table: ``python -m macroflow.bench.baselines``;
     with ``json_path``, also write every figure there (``macroflow bench
-    baselines --json FILE``)."""
-    res = {"pingpong": {}}
+    baselines --json FILE``); ``quick``: a tenth of the round trips and a
+    1 MiB bandwidth array (a smoke run).
+
+    Example:
+        >>> main(quick=True)  # doctest: +ELLIPSIS
+        baseline ...
+        pingpong blocking ...
+    """
+    n = 200 if quick else 2000
+    res = {"pingpong": {}, "quick": quick}
     print(f"{'baseline':<26}{'median_us':>11}{'p10_us':>10}{'p90_us':>10}  extra")
     for mode in MODES:
-        r = res["pingpong"][mode] = pingpong(mode)
+        r = res["pingpong"][mode] = pingpong(mode, iters=n, warmup=n // 10)
         print(f"{'pingpong ' + mode:<26}{r['median_us']:>11.1f}"
               f"{r['p10_us']:>10.1f}{r['p90_us']:>10.1f}  mean {r['mean_us']:.1f}")
-    r = res["mailbox"] = mailbox()
+    r = res["mailbox"] = mailbox(iters=n, warmup=n // 10)
     print(f"{'mailbox (shared memory)':<26}{r['median_us']:>11.1f}"
           f"{r['p10_us']:>10.1f}{r['p90_us']:>10.1f}  mean {r['mean_us']:.1f}")
-    r = res["bandwidth"] = bandwidth()
+    r = res["bandwidth"] = bandwidth(nbytes=2**20) if quick else bandwidth()
     print(f"{'bandwidth %d MiB' % (r['nbytes'] // 2**20):<26}{r['median_us']:>11.1f}"
           f"{'':>20}  {r['mb_per_s']:.0f} MB/s (sndbuf {r['sndbuf']:.0f})")
     r = res["fork_startup"] = fork_roundtrip_startup()
@@ -444,4 +452,4 @@ def main(json_path=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(quick="--quick" in sys.argv[1:])

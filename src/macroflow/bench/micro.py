@@ -1126,7 +1126,9 @@ def _fmt(v: Any) -> str:
         return "-"
     if isinstance(v, bool):
         return "PASS" if v else "FAIL"
-    if isinstance(v, (int, float)):
+    if isinstance(v, int):
+        return f"{v:,}"  # a count
+    if isinstance(v, float):
         if isinstance(v, float) and math.isnan(v):
             return "n/a"
         a = abs(v)
@@ -1177,9 +1179,10 @@ def report(res: Dict[str, Any], out=None) -> None:
           f"{meta['cpus']} cpus, python {meta['python']}, transport local, spin_us {meta['spin_us']:g}, "
           f"{meta['config']['rounds']} rounds, {meta['elapsed_s']:.0f} s", file=out or sys.stdout)
     rows = []
+    width = max(len(row[0]) for row in TABLE1_ROWS) + 1
     for cat, label, key, hkey, note in TABLE1_ROWS:
         mentat = MENTAT.get(key or "", (None, None))
-        rows.append([f"{cat:<11}{label}", t1.get(key) if key else None,
+        rows.append([f"{cat:<{width}}{label}", t1.get(key) if key else None,
                      base.get(hkey) if hkey else None, mentat[0], mentat[1], note])
     render_table("Table I: macroflow on this machine (us unless noted), hand-coded in the same run, "
                  "Mentat 1995", ["row", "macroflow", "hand-coded", "Mentat Sun", "Mentat Paragon",
@@ -1200,11 +1203,11 @@ def report(res: Dict[str, Any], out=None) -> None:
                  ["", "FT us k=2", "FT us k=4", "py flops k=2", "py flops k=4", "np flops k=2",
                   "np flops k=4"], rows, out)
     m = res["metg"]
-    rows = [[c["task_us"], c["n_tasks"], c["wall_s"] * 1e3, c["efficiency"] * 100,
+    rows = [[f"{c['task_us']:g}", c["n_tasks"], c["wall_s"] * 1e3, c["efficiency"] * 100,
              " ".join(f"ctx{k}:{v}" for k, v in sorted(c["ran_on"].items()))] for c in m["curve"]]
     metg = "not reached" if m["metg_us"] is None else f"{m['metg_us']:.0f} us (grid point {m['metg_grid_us']:g} us)"
     render_table(f"METG(50%) on 2 contexts: {metg}", ["task us", "tasks", "wall ms", "efficiency %",
-                                                       "ran on"], rows, out)
+                                                       _ran_on_header(res)], rows, out)
     rows = [[b["bar"], b["value"], b["reference"], b["ratio"], f"{b['op']} {b['limit']:g}",
              ("PASS" if b["pass"] else "FAIL") if b.get("counted", True) else "(info)", b["note"]]
             for b in res["bars"]]
@@ -1221,6 +1224,12 @@ def report(res: Dict[str, Any], out=None) -> None:
     else:
         print(f"MPI rows skipped: {meta.get('mpi')}", file=out or sys.stdout)
     print("Other systems doing the same operations: macroflow bench peers", file=out or sys.stdout)
+
+
+def _ran_on_header(res: Dict[str, Any]) -> str:
+    # "ran on" counts the tasks of every batch of a grid point, not of one
+    reps = res["meta"]["config"].get("metg_reps")
+    return f"ran on (tasks x {reps} batches)" if reps and reps > 1 else "ran on"
 
 
 def _chain_length_rows(t1: Dict[str, Any]) -> List[List[Any]]:
@@ -1270,9 +1279,10 @@ def markdown(res: Dict[str, Any]) -> str:
     metg = "not reached" if m["metg_us"] is None else \
         f"**{m['metg_us']:.0f} us** (smallest grid point passing: {m['metg_grid_us']:g} us)"
     lines += ["", "### METG(50%)", "", f"METG(50%) on 2 contexts: {metg}.", "",
-              "| task us | tasks | wall ms | efficiency % | ran on |", "| ---: | ---: | ---: | ---: | --- |"]
+              f"| task us | tasks | wall ms | efficiency % | {_ran_on_header(res)} |",
+              "| ---: | ---: | ---: | ---: | --- |"]
     for c in m["curve"]:
-        lines.append(f"| {_fmt(c['task_us'])} | {c['n_tasks']} | {_fmt(c['wall_s'] * 1e3)} | "
+        lines.append(f"| {c['task_us']:g} | {c['n_tasks']} | {_fmt(c['wall_s'] * 1e3)} | "
                      f"{_fmt(c['efficiency'] * 100)} | "
                      f"{' '.join(f'ctx{k}:{v}' for k, v in sorted(c['ran_on'].items()))} |")
     lines += ["", "### Bars", "", "| bar | value | reference | ratio | limit | result | note |",

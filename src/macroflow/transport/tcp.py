@@ -910,8 +910,10 @@ class TcpTransport(LocalTransport):
             if len(buf) >= _HS.size:
                 magic, kind, n = _HS.unpack_from(buf)
                 if magic != _MAGIC:
+                    tls = " (a TLS handshake: it uses TLS and this context does not)" \
+                        if buf[:2] == b"\x16\x03" else ""
                     raise _Refused(f"garbage: it does not speak macroflow's TCP protocol "
-                                   f"(it sent {bytes(buf)!r})")
+                                   f"(it sent {bytes(buf)!r}){tls}")
                 if n > _HS_MAX:
                     raise _Refused(f"oversize handshake message: {n} bytes announced, "
                                    f"at most {_HS_MAX}")
@@ -1014,7 +1016,7 @@ class TcpTransport(LocalTransport):
             theirs = "%d.%d" % e.peer_version
             mine = "%d.%d" % self.version
             raise _Refused(
-                f"context {peer} runs macroflow {theirs} and context {self.ctx} runs {mine}: "
+                f"{_who(peer)} runs macroflow {theirs} and {_who(self.ctx)} runs {mine}: "
                 f"every context of a computation must run the same major.minor version",
                 logging.ERROR)
 
