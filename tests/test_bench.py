@@ -208,16 +208,9 @@ def test_ctrl_c_ends_a_bench_run_in_one_line(tmp_path):
     try:
         first = p.stderr.readline()  # "[bench micro] round 1/3": it measures
         assert "round" in first, first
+        # once: one that lands in a fork hook or a finalizer, where Python
+        # drops what is raised, is sent again (it was lost 1 time in 20)
         os.kill(p.pid, signal.SIGINT)
-        for _ in range(5):
-            # (a Ctrl-C in a fork hook of code that forks with os.fork is
-            # lost, as Python drops what the hook raises: pressed again, as a
-            # user would; the benchmark's own forks keep it)
-            try:
-                p.wait(timeout=1)
-                break
-            except subprocess.TimeoutExpired:
-                os.kill(p.pid, signal.SIGINT)
         try:
             _, err = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:

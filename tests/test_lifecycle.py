@@ -977,6 +977,43 @@ def test_a_ctrl_c_pending_as_user_code_forks_is_raised_after_the_fork():
     assert "Exception ignored" not in out.stderr, out.stderr
 
 
+DROPPED_INTERRUPT = r"""
+import os, signal, sys, threading, time, weakref
+import macroflow  # noqa: F401
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as a finalizer runs
+
+class Target:
+    pass
+
+def callback(ref):
+    os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as a weakref callback runs
+
+for where in ("finalizer", "weakref callback"):
+    t = time.monotonic()
+    try:
+        x = Finalized() if where == "finalizer" else Target()
+        r = weakref.ref(x, callback) if where != "finalizer" else None
+        del x
+        threading.Event().wait(20)
+        print(where, "lost", flush=True)
+    except KeyboardInterrupt:
+        print(where, "interrupted", time.monotonic() - t < 10, flush=True)
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_finalizer_or_a_weakref_callback_still_interrupts():
+    # (Python drops what they raise: a Ctrl-C in a future's release by the
+    # garbage collector was lost, and the program ran on)
+    out = subprocess.run([sys.executable, "-c", DROPPED_INTERRUPT], capture_output=True,
+                         text=True, timeout=50)
+    assert out.stdout.splitlines() == ["finalizer interrupted True",
+                                       "weakref callback interrupted True"], out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+
+
 TEARDOWN_INTERRUPTED = r"""
 import os, signal, sys, threading, time
 import macroflow as mf

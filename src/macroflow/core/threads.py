@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -430,6 +431,29 @@ def _after_fork_child() -> None:
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
                     after_in_child=_after_fork_child)
+
+
+def _keep_interrupts(previous: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    # Python drops (prints and forgets) what a finalizer, a weakref callback
+    # or a fork hook raises. A Ctrl-C that lands in one -- a future released
+    # by the garbage collector, say: about one Ctrl-C in twenty during
+    # `bench micro` -- was lost and the program ran on. It is sent again a
+    # moment later, from another thread (raised here, it would be dropped
+    # too), where the main thread takes it as it would have the first.
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is KeyboardInterrupt and \
+                threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            threading.Timer(0.05, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT)).start()
+            return
+        previous(unraisable)
+    hook.macroflow = True  # type: ignore[attr-defined]
+    return hook
+
+
+if not getattr(sys.unraisablehook, "macroflow", False):
+    sys.unraisablehook = _keep_interrupts(sys.unraisablehook)
 
 
 class ServiceThread(Service):
