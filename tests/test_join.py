@@ -244,6 +244,24 @@ def test_a_worker_of_another_macroflow_version_is_refused_once_by_what_it_is():
     assert "TLS" not in err, err
 
 
+@pytest.mark.timeout(120)
+def test_the_counts_per_protocol_add_up_to_the_totals_once_a_worker_joined():
+    # (the transports' own frames, a join's welcome and the descriptors it
+    # sends, were counted per protocol and not in the totals: context 0 had
+    # sent 1,686 bytes, and 6,084 by its protocols)
+    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
+        w = start_worker(s.launcher.address)
+        mf.wait_contexts(3, timeout=60)
+        for c in (1, 2):
+            assert Where.create(on=c).here().result(30)[0] == c
+        st = mf.stats()
+    finish(w)
+    for c in (0, 1, 2):
+        for key in ("bytes_received", "bytes_sent", "messages_received", "messages_sent"):
+            assert sum(p[key] for p in st[c]["protocols"].values()) == st[c][key], (c, key, st[c])
+    assert st[0]["protocols"]["tcp"]["messages_sent"] > 0 < st[0]["protocols"]["local"]["messages_sent"]
+
+
 def test_garbage_at_the_door_is_closed_and_the_computation_is_unharmed():
     import socket
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:

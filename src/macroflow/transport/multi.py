@@ -118,15 +118,7 @@ class MultiTransport(Transport):
         counts = self.counts[m.name]
 
         def deliver(src: int, bufs: List[object], load: int) -> None:
-            counts["messages_received"] += 1
             b0 = memoryview(bufs[0])
-            # with the frame's header, as the engine counts it and as the
-            # sender's module counted it (its send's return)
-            if len(bufs) == 1:  # the commonest frame: no generator to sum over
-                counts["bytes_received"] += 16 + b0.nbytes
-            else:
-                counts["bytes_received"] += 8 + 8 * len(bufs) + sum(memoryview(b).nbytes
-                                                                     for b in bufs)
             if b0.nbytes and b0[0] == _CONTROL_BYTE:  # the transport's own: never the engine's
                 kind, payload = pickle.loads(b0[1:])
                 if kind == "learn":
@@ -138,6 +130,16 @@ class MultiTransport(Transport):
                 return
             if src >= GUEST_BASE:
                 return  # a guest (a worker asking to join) is not a context: nothing for the engine
+            # (the engine's messages alone, as its totals count them, so that
+            # the protocols' counts add up to those)
+            counts["messages_received"] += 1
+            # with the frame's header, as the engine counts it and as the
+            # sender's module counted it (its send's return)
+            if len(bufs) == 1:  # the commonest frame: no generator to sum over
+                counts["bytes_received"] += 16 + b0.nbytes
+            else:
+                counts["bytes_received"] += 8 + 8 * len(bufs) + sum(memoryview(b).nbytes
+                                                                     for b in bufs)
             if self.deliver is not None:
                 # even if the module's poll says it got nothing (a frame read
                 # while it admitted a connection): poll must not sleep on it
@@ -172,7 +174,9 @@ class MultiTransport(Transport):
         """Send a frame of the transports' own to ``dest``, for the handler
         registered there in ``control[kind]`` (called with (src, payload)
         as soon as the frame is read)."""
-        self.send(dest, [_CONTROL + pickle.dumps((kind, payload))], 0)
+        # (not counted: a protocol's counts are of the engine's messages)
+        m = self.route.get(dest) or self._module_for(dest)
+        m.send(dest, [_CONTROL + pickle.dumps((kind, payload))], 0)
 
     def adopt(self, peer: int, sock: object) -> None:
         """A socket connected to context ``peer`` (one added while running), for
