@@ -764,7 +764,7 @@ def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_
     assert "KeyboardInterrupt" in err
 
 
-def _interrupt_macroflow_run(tmp_path, body, options, whom):
+def _interrupt_macroflow_run(tmp_path, body, options, whom, sig=signal.SIGINT):
     """Run ``body`` under `macroflow run -n 2 --transport mpi` (it writes the
     file named by its first argument when it is ready), Ctrl-C it (``whom``:
     "macroflow run alone", "its process group" or "it twice"); returns
@@ -781,16 +781,18 @@ def _interrupt_macroflow_run(tmp_path, body, options, whom):
             time.sleep(0.05)
         t = time.monotonic()
         if whom == "its process group":
-            os.killpg(p.pid, signal.SIGINT)
+            os.killpg(p.pid, sig)
         else:
-            os.kill(p.pid, signal.SIGINT)
+            os.kill(p.pid, sig)
             if whom == "it twice":
-                os.kill(p.pid, signal.SIGINT)
+                os.kill(p.pid, sig)
         out, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # (its group: a job it left running too)
+        except ProcessLookupError:
+            pass
+        p.wait()
     return p.returncode, out, err, time.monotonic() - t
 
 
@@ -817,6 +819,21 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
     assert code == 130, (code, out, err)
     assert took < 30  # not when the handler's hour is over
     assert "after finalizing" not in out + err and "assert" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_macroflow_run_under_mpiexec_ends_the_job(tmp_path):
+    # (killed outright, it left mpiexec and its ranks running: for an hour here)
+    import psutil
+    code, out, err, took = _interrupt_macroflow_run(tmp_path, WAITS_AN_HOUR, ["--spmd"],
+                                                    "macroflow run alone", signal.SIGTERM)
+    assert code == 143, (code, out, err)
+    assert took < 30
+    assert "macroflow: terminated (SIGTERM); the job's 2 ranks were ended" in err, err
+    assert "BAD TERMINATION" not in out, out  # (it ended the job: no news)
+    ranks = [p for p in psutil.process_iter(["cmdline"])
+             if str(tmp_path / "job.py") in (p.info["cmdline"] or [])]
+    assert ranks == []
 
 
 SLEEPS_IN_A_BARRIER = """

@@ -23,6 +23,8 @@ import time
 import types
 from typing import Any, Callable, Dict, List, NoReturn, Optional
 
+from macroflow.core.errors import Terminated
+
 
 def script_problem(path: str) -> Optional[str]:
     """Why ``path`` cannot be run as a script, or None if it can be read.
@@ -417,15 +419,30 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
         # the job's output is passed on by a thread of its own, so that what
         # the ranks print after a Ctrl-C (main's finally) is passed on too
         # while the job ends
-        relay = threading.Thread(target=_relay_output, args=(p.stdout, report),
+        quiet = threading.Event()  # set once this process ends the job itself
+        relay = threading.Thread(target=_relay_output, args=(p.stdout, report, quiet),
                                  name="macroflow-mpiexec-output", daemon=True)
         relay.start()
+        # a SIGTERM to this process ends the job too (killed outright, this
+        # process left mpiexec and its ranks running on: for 30 s here)
+        term = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        if term:
+            signal.signal(signal.SIGTERM, _terminated)
         try:
             code = p.wait()
             interrupted = False
         except KeyboardInterrupt:
             code, interrupted = _end_job(p), True
+        except Terminated as e:
+            quiet.set()
+            _end_job(p, first=signal.SIGTERM)
+            print(f"macroflow: terminated (SIGTERM); the job's {args.n or os.cpu_count() or 1} "
+                  "ranks were ended",
+                  file=sys.stderr)
+            code, interrupted = e.code, True
         finally:
+            if term:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             relay.join(5)
             watcher.stop()
             watcher.thread.join(5)
@@ -466,7 +483,8 @@ def _wait_gone(pids: List[int], most: float) -> None:
             time.sleep(0.01)
 
 
-def _relay_output(stream: Any, report: List[bytes]) -> None:
+def _relay_output(stream: Any, report: List[bytes],
+                  quiet: Optional[threading.Event] = None) -> None:
     """Copy an ``mpiexec`` job's output to ours, line by line, until it ends;
     keep its report of a failed job (from "RUNNING AT" on) in ``report``.
 
@@ -480,17 +498,30 @@ def _relay_output(stream: Any, report: List[bytes]) -> None:
         [b'= RUNNING AT host\\n', b'more\\n']
     """
     for line in stream:
+        if quiet is not None and quiet.is_set() and line.startswith(_BANNER):
+            continue  # this process ended the job: mpiexec's report of it is no news
         sys.stdout.buffer.write(line)
         sys.stdout.flush()
         if b"RUNNING AT" in line or report:
             report.append(line)
 
 
-def _end_job(p: Any) -> int:
+# how the lines of MPICH mpiexec's report of a job it ended begin
+_BANNER = (b"=", b"YOUR APPLICATION TERMINATED", b"This typically refers",
+           b"Please see the FAQ")
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated(128 + signum)
+
+
+def _end_job(p: Any, first: Optional[int] = None) -> int:
     """Ctrl-C reached ``macroflow run`` (alone, or with the whole process group):
     pass it on to mpiexec, which passes it on to the ranks, and wait for the
     job to end; SIGTERM and then SIGKILL if it does not within a few seconds
-    (or at another Ctrl-C). Returns 130, the shell's code for Ctrl-C."""
+    (or at another Ctrl-C). Returns 130, the shell's code for Ctrl-C.
+    ``first=signal.SIGTERM``: a SIGTERM reached this process alone; it is
+    passed on at once, then SIGKILL."""
     import subprocess
     # from here a Ctrl-C only hurries the job's end: one raised as an
     # exception could land anywhere here, between two steps, and end this
@@ -498,7 +529,8 @@ def _end_job(p: Any) -> int:
     again: List[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: again.append(signum))
     try:
-        steps = ((None, 1.0), (signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0))
+        steps = ((None, 1.0), (signal.SIGINT, 5.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)) \
+            if first is None else ((first, 5.0), (signal.SIGKILL, 3.0))
         for sig, grace in steps:
             # first none: a Ctrl-C at the terminal reached mpiexec too, and a
             # second one while it passes the first on makes its proxy fail
