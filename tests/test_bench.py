@@ -226,3 +226,31 @@ def test_ctrl_c_ends_a_bench_run_in_one_line(tmp_path):
     assert err.rstrip().endswith("macroflow bench: interrupted (Ctrl-C); nothing was written to "
                                  f"{out}"), err
     assert not out.exists()
+
+
+HANGS_AFTER_MPI_INIT = """
+import sys, time
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()  # both ranks are up, their shared memory made
+if MPI.COMM_WORLD.Get_rank() == 0:
+    open(sys.argv[1], "w").write("up")
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPI_MISSING is not None, reason=str(MPI_MISSING))
+def test_an_mpi_worker_killed_by_the_bench_leaves_no_shared_memory(tmp_path, monkeypatch):
+    # (a Ctrl-C or a timeout killed the ranks, and MPICH's files stayed in /dev/shm)
+    import glob
+    import os
+    from macroflow.transport.mpi import _find_mpiexec
+    (tmp_path / "hangs_after_mpi_init.py").write_text(HANGS_AFTER_MPI_INIT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    flag = tmp_path / "up"
+    res = bench.spawn_worker("hangs_after_mpi_init", [str(flag)], 20, "RESULT ",
+                             mpiexec=_find_mpiexec(), ranks=2)
+    assert res == {"error": "timed out after 20 s"}
+    assert flag.exists()  # (MPI had started: its files were made)
+    assert set(glob.glob("/dev/shm/mpich_shm_*")) - before == set()

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 SUITES = ("micro", "peers", "nexus", "baselines", "service", "tulip")
@@ -200,21 +201,61 @@ def spawn_worker(module: str, args: List[str], timeout_s: float, tag: str,
     if mpiexec is not None:
         # python -m mpi4py: an exception on one rank aborts them all instead of leaving one blocked
         cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py"] + cmd[1:]
+    shm_before = None
+    if mpiexec is not None:
+        from macroflow.transport.mpi import mpich_shm_files
+        shm_before = mpich_shm_files()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        kill_group(proc.pid)
+        _end_worker(proc, shm_before)
         proc.communicate()
         return {"error": f"timed out after {timeout_s:g} s"}
     finally:
-        kill_group(proc.pid)  # whatever the worker left in its session goes with it
+        _end_worker(proc, shm_before)
     for line in reversed(out.splitlines()):
         if line.startswith(tag):
             return json.loads(line[len(tag):])
     tail = " | ".join((err.strip().splitlines() or ["no output"])[-3:])
     return {"error": f"worker exited with code {proc.returncode}: {tail}"}
+
+
+def _end_worker(proc: Any, shm_before: Any) -> None:
+    """Kill whatever the worker left in its session; for an MPI worker, also
+    its process manager's proxy and the ranks, which have sessions of their
+    own, and then the shared-memory files of MPICH and of macroflow's ranks
+    that they left in /dev/shm (killed, they do not remove them)."""
+    tree = _descendants(proc.pid) if shm_before is not None else []
+    kill_group(proc.pid)
+    if shm_before is None:
+        return
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.02)  # (reaped by their parents, or by init)
+    from macroflow.transport.mpi import _sweep_pages, mpich_shm_files, remove_unused
+    remove_unused(mpich_shm_files() - shm_before)
+    _sweep_pages()
+
+
+def _descendants(pid: int) -> List[int]:
+    from macroflow.transport.mpi import _children
+    out, todo = [], [pid]
+    while todo:
+        for child, _cmd in _children(todo.pop()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def src_dir() -> str:
