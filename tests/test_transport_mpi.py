@@ -339,6 +339,45 @@ def _mpiexec(tmp_path, n, body, *args, timeout=90, cli=False, env=None):
     return p.returncode, out, err
 
 
+RANK_0_ALONE = """
+    import os
+    import macroflow as mf
+
+    def main():
+        return 1
+
+    if os.environ.get("PMI_RANK") == "0":  # the other rank never starts MPI
+        mf.run(main)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_left_waiting_for_mpi_to_start_says_why(tmp_path):
+    # (a script that started macroflow on rank 0 alone waited in MPI_Init for
+    # ever, saying nothing)
+    import psutil
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(RANK_0_ALONE))
+    p = subprocess.Popen([M._find_mpiexec(), "-n", "2", sys.executable, str(script)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=_env({"MACROFLOW_MPI_INIT_WARN_S": "1"}), start_new_session=True)
+    try:
+        line = p.stderr.readline()  # (the job waits on: the test ends it)
+    finally:
+        tree = psutil.Process(p.pid).children(recursive=True)
+        os.killpg(p.pid, signal.SIGKILL)
+        for q in tree:
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
+        p.communicate()
+        psutil.wait_procs(tree, timeout=10)
+        M.remove_unused(M.mpich_shm_files())
+    assert line.startswith("macroflow: rank 0 of 2 has waited 1 s for MPI to start: "), line
+    assert "every rank must run macroflow" in line, line
+
+
 PROGRAM = """
     import os
     import macroflow as mf

@@ -233,12 +233,70 @@ def mpi() -> Any:
             here = os.path.dirname(sys.executable)
             if os.access(os.path.join(here, "mpiexec"), os.X_OK):
                 os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+        world = world_from_environment()
+        # MPI_Init waits for every rank of the job: a rank that never starts
+        # MPI (a script that starts macroflow on rank 0 alone) left it waiting
+        # for ever, saying nothing. It holds the interpreter meanwhile: what
+        # says so is a process of its own
+        watch = _watch_init(world) if world is not None and world[1] > 1 else None
         try:
             from mpi4py import MPI
         except ImportError as e:
             raise ImportError(available() or f"mpi4py cannot be imported: {e}") from e
+        finally:
+            if watch is not None:
+                try:
+                    os.kill(watch, signal.SIGKILL)
+                    os.waitpid(watch, 0)
+                except OSError:
+                    pass
         _MPI = MPI
     return _MPI
+
+
+def _watch_init(world: Tuple[int, int]) -> Optional[int]:
+    # a child that says what this rank waits for if MPI has not started
+    # within init_warning_s(), unless this rank has ended
+    from ..core.threads import fork
+    wait, parent = init_warning_s(), os.getpid()
+    try:
+        pid = fork()
+    except OSError:
+        return None
+    if pid:
+        return pid
+    try:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if os.getppid() != parent:
+                os._exit(0)
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        _init_waits(world)
+    finally:
+        os._exit(0)
+
+
+def init_warning_s() -> float:
+    """Seconds MPI may take to start in a rank of an mpiexec job before the
+    rank says what it waits for (MACROFLOW_MPI_INIT_WARN_S; default 30).
+
+    Example:
+        >>> os.environ.pop("MACROFLOW_MPI_INIT_WARN_S", None) and None
+        >>> init_warning_s()
+        30.0
+    """
+    try:
+        return max(0.0, float(os.environ.get("MACROFLOW_MPI_INIT_WARN_S", "30")))
+    except ValueError:
+        return 30.0
+
+
+def _init_waits(world: Tuple[int, int]) -> None:
+    rank, size = world
+    print(f"macroflow: rank {rank} of {size} has waited {init_warning_s():g} s for MPI to start: "
+          f"it starts once every rank of the job has started it, so every rank must run "
+          f"macroflow (mf.run, mf.init or mf.spmd: not under `if rank == 0`); a rank that "
+          f"ended or failed before it leaves the others waiting", file=sys.stderr, flush=True)
 
 
 def _children(pid: int) -> List[Tuple[int, bytes]]:
