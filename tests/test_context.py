@@ -443,6 +443,48 @@ def test_a_wait_cycle_between_two_objects_fails_one_waiter_naming_the_cycle(run)
     assert "is queued behind Ping.start (context 1)" in text
 
 
+@mf.persistent
+class PingAny:
+    """Ping whose start waits with mf.wait(FIRST_COMPLETED) or mf.as_completed."""
+
+    def setup(self, other):
+        self.other = other
+
+    def start(self, how):
+        f = self.other.bounce()
+        if how == "first completed":
+            done, _ = mf.wait([f], return_when=mf.FIRST_COMPLETED)
+            return done[0].result()
+        return [g.result() for g in mf.as_completed([f])][0]
+
+    def bounce(self):
+        return self.other.reply().result()
+
+    def reply(self):
+        return "reply"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["first completed", "as completed"])
+def test_a_wait_cycle_through_a_wait_for_the_first_of_one_future_is_found(run, how):
+    # (mf.wait(FIRST_COMPLETED) and mf.as_completed were not probed: the
+    # cycle waited for ever)
+    def main():
+        a, b = PingAny.create(on=1), PingAny.create(on=2)
+        mf.gather([a.setup(b), b.setup(a)])
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError) as e:
+            a.start(how).result(timeout=20)
+        took = time.monotonic() - t
+        return took, str(e.value), a.reply().result(timeout=10), b.reply().result(timeout=10)
+
+    took, text, ra, rb = run(main, contexts=3)
+    assert took < 2.0
+    assert (ra, rb) == ("reply", "reply")
+    assert "PingAny.bounce (context 2) waits for PingAny.reply (context 1)" in text, text
+    assert "is queued behind PingAny.start (context 1)" in text, text
+
+
 @pytest.mark.timeout(60)
 def test_an_object_calling_a_regular_object_that_calls_it_back_is_a_cycle(run):
     def main():

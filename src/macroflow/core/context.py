@@ -916,7 +916,8 @@ class Engine:
         What ``mf.wait(return_when=...)`` and ``mf.as_completed`` wait with.
         A method that waits only for calls that can never start (to its own
         object) is refused, as ``result()`` refuses one; the engine's probes
-        for wait cycles between contexts follow waits for one future only.
+        for wait cycles between contexts follow a wait with one future still
+        to come (not a wait for any of several: one of them may end it).
         """
         if self.user and self.serving != _get_ident():
             return self._from_user(self.wait_arrival, arrivals, timeout, fs)
@@ -950,10 +951,32 @@ class Engine:
             waiter = arrivals.waiter = Waiter(eng, w)
             if timeout is not None:
                 eng.add_timer(timeout, waiter)
+            # a wait for one future still to come is that future's wait, for
+            # the probes for wait cycles (as result()'s); for any of several,
+            # one that can end ends it, and it is not probed
+            one = None
+            if call is not None:
+                for f in fs:
+                    if f._state != FINISHED:
+                        if one is not None:
+                            one = None
+                            break
+                        one = f
+            if one is not None:
+                call.waiting = one
+                now = time.monotonic()
+                if not eng.blocked:
+                    eng.next_probe = now + PROBE_AFTER
+                eng.blocked[call.fid] = (call, one, waiter, now)
+                eng.blocked_version += 1
             try:
                 r = eng.root.switch(PARKED)
             finally:
                 arrivals.waiter = None
+                if one is not None:
+                    call.waiting = None
+                    eng.blocked.pop(call.fid, None)
+                    eng.blocked_version += 1
             if type(r) is errors.DeadlockError:
                 raise r
             return bool(arrivals.queue)
