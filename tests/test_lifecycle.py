@@ -1154,3 +1154,34 @@ def test_starting_a_computation_inside_a_method_says_a_method_cannot(run):
         return out
 
     assert run(main, contexts=2) == ["mf.run()/mf.init() was called inside a method"] * 4
+
+
+UNCAUGHT = r"""
+import sys
+import macroflow as mf
+
+def fn():
+    if mf.rank() == 1:
+        raise ValueError("bad rank")
+    return mf.rank()
+
+mf.spmd(fn, n=2, transport=sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_an_uncaught_error_is_printed_without_the_runtimes_frames(transport):
+    # (six frames of mf.spmd, mf.run and result() stood between the script's
+    # line and the error)
+    out = subprocess.run([sys.executable, "-c", UNCAUGHT, transport], capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 1
+    lines = out.stderr.rstrip().splitlines()
+    assert "macroflow/" not in out.stderr.split("direct cause")[-1], out.stderr
+    assert lines[-2:] == ["ValueError: bad rank", "(6 frames of macroflow's own code hidden: "
+                          "MACROFLOW_TRACEBACK=full shows them)"], out.stderr
+    assert 'File "<string>", line 10, in <module>' in out.stderr, out.stderr
+    full = subprocess.run([sys.executable, "-c", UNCAUGHT, transport], capture_output=True,
+                          text=True, timeout=50, env={**os.environ, "MACROFLOW_TRACEBACK": "full"})
+    assert "macroflow/launch.py" in full.stderr and "hidden" not in full.stderr, full.stderr

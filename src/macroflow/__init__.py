@@ -87,6 +87,8 @@ __version__ = "0.1.0"
 from .core.context import seal_opcodes as _seal_opcodes  # noqa: E402
 
 _seal_opcodes()  # macroflow's own opcodes are registered by now: the rest are users'
+from .core.errors import install_excepthook as _install_excepthook  # noqa: E402
+_install_excepthook()  # an uncaught error is printed without the runtime's frames
 
 # every name re-exported above ("from X import n as n"), and no submodule:
 # what `from macroflow import *` gives

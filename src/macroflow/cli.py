@@ -217,7 +217,11 @@ def _print_from_script(e: BaseException) -> None:
         tb = tb.tb_next
     # (none of the script's frames: the error alone, after its cause, which
     # says where; a traceback of the runtime's frames said nothing more)
-    traceback.print_exception(type(e), e, tb)
+    if tb is None:
+        traceback.print_exception(type(e), e, tb)
+    else:
+        from macroflow.core.errors import excepthook
+        excepthook(type(e), e, tb)  # (the runtime's frames below the script's too)
 
 
 def mpiexec_command(args: argparse.Namespace, mpiexec: str) -> List[str]:

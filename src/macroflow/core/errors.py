@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+import types
+from typing import Any, Optional, Tuple
 
 
 class MacroflowError(Exception):
@@ -292,3 +295,82 @@ def exited(what: str, e: BaseException) -> BaseException:
                          f"this call failed")
     err.__cause__ = e
     return err
+
+
+# -- uncaught errors --------------------------------------------------------------
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_traceback(tb: Optional[types.TracebackType]) -> Tuple[Optional[types.TracebackType], int]:
+    """``tb`` without the frames of macroflow's own code, and how many went;
+    ``tb`` itself if no frame, or every frame, is macroflow's.
+
+    Example:
+        >>> def user():
+        ...     raise ValueError("bad")
+        >>> try:
+        ...     user()
+        ... except ValueError as e:
+        ...     error = e
+        >>> tb, hidden = user_traceback(error.__traceback__)
+        >>> tb is error.__traceback__, hidden
+        (True, 0)
+    """
+    frames = []
+    t = tb
+    while t is not None:
+        frames.append(t)
+        t = t.tb_next
+    keep = [t for t in frames if not t.tb_frame.f_code.co_filename.startswith(_PACKAGE)]
+    if not keep or len(keep) == len(frames):
+        return tb, 0
+    new = None
+    for t in reversed(keep):
+        new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return new, len(frames) - len(keep)
+
+
+def excepthook(etype: type, value: BaseException, tb: Optional[types.TracebackType]) -> None:
+    """``sys.excepthook`` while macroflow is imported (if nothing else replaced
+    Python's): an uncaught error is printed without the frames of macroflow's
+    own code between the user's (the calls of ``mf.run``, ``mf.spmd`` and
+    ``result()`` down to where the error was raised again), with a note
+    saying how many went; ``MACROFLOW_TRACEBACK=full`` prints every frame.
+
+    Example:
+        >>> import io, contextlib
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err):
+        ...     excepthook(ValueError, ValueError("bad"), None)
+        >>> err.getvalue()
+        'ValueError: bad\\n'
+    """
+    if value is not None and value.__traceback__ is not tb:
+        value.__traceback__ = tb
+    if os.environ.get("MACROFLOW_TRACEBACK", "").strip().lower() != "full":
+        hidden, seen = 0, set()
+        x: Optional[BaseException] = value
+        while x is not None and id(x) not in seen:
+            seen.add(id(x))
+            x.__traceback__, n = user_traceback(x.__traceback__)
+            hidden += n
+            x = x.__cause__ if x.__cause__ is not None else \
+                (None if x.__suppress_context__ else x.__context__)
+        tb = value.__traceback__
+        if hidden and hasattr(value, "add_note"):
+            value.add_note(f"({hidden} frame{'s' if hidden > 1 else ''} of macroflow's own code "
+                           f"hidden: MACROFLOW_TRACEBACK=full shows {'them' if hidden > 1 else 'it'})")
+    sys.__excepthook__(etype, value, tb)
+
+
+def install_excepthook() -> None:
+    """Install :func:`excepthook`, unless something replaced Python's own.
+
+    Example:
+        >>> install_excepthook()
+        >>> sys.excepthook in (excepthook, sys.__excepthook__) or callable(sys.excepthook)
+        True
+    """
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = excepthook

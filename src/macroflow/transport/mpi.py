@@ -2510,7 +2510,7 @@ def _serve_world(comm: Any) -> None:  # pragma: no cover - runs in ranks 1..N-1 
 SECOND_VOICE_DELAY = 1.0
 
 
-def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int] = None) -> None:
+def excepthook(etype, value, tb, previous=None, rank: Optional[int] = None) -> None:
     r"""``sys.excepthook`` of the ranks of an mpiexec job (installed on import).
 
     An uncaught error ends every rank, printed once: rank 0 prints at once;
@@ -2532,6 +2532,8 @@ def excepthook(etype, value, tb, previous=sys.__excepthook__, rank: Optional[int
         >>> err.getvalue()
         'ValueError: bad\n'
     """
+    if previous is None:
+        from ..core.errors import excepthook as previous  # (without the runtime's frames)
     world = world_from_environment()
     if rank is None:
         rank = world[0] if world is not None else 0
@@ -2616,8 +2618,10 @@ def install_excepthook() -> bool:
         ...                          world_from_environment()[1] > 1)
         True
     """
+    from ..core import errors
     world = world_from_environment()
-    if world is None or world[1] < 2 or sys.excepthook is not sys.__excepthook__:
+    if world is None or world[1] < 2 or \
+            sys.excepthook not in (sys.__excepthook__, errors.excepthook):
         return False
     sys.excepthook = excepthook
     return True
