@@ -362,10 +362,25 @@ def test_a_rank_left_waiting_for_mpi_to_start_says_why(tmp_path):
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=_env({"MACROFLOW_MPI_INIT_WARN_S": "1"}), start_new_session=True)
     try:
-        line = p.stderr.readline()  # (the job waits on: the test ends it)
+        line = p.stderr.readline()  # (the job waits on)
+        # a SIGTERM still ends it, while MPI starts (Python's signals are
+        # blocked meanwhile: MPI's own threads must not take them)
+        rank0 = []
+        for q in psutil.Process(p.pid).children(recursive=True):
+            try:  # (the rank, not its watcher, which it forked)
+                if q.cmdline()[-1:] == [str(script)] and q.parent().cmdline() != q.cmdline():
+                    rank0.append(q)
+            except psutil.NoSuchProcess:
+                pass  # (rank 1, which ended)
+        assert len(rank0) == 1, rank0
+        rank0[0].terminate()
+        assert p.wait(30) != 0
     finally:
-        tree = psutil.Process(p.pid).children(recursive=True)
-        os.killpg(p.pid, signal.SIGKILL)
+        tree = psutil.Process(p.pid).children(recursive=True) if p.poll() is None else []
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         for q in tree:
             try:
                 q.kill()
@@ -376,6 +391,46 @@ def test_a_rank_left_waiting_for_mpi_to_start_says_why(tmp_path):
         M.remove_unused(M.mpich_shm_files())
     assert line.startswith("macroflow: rank 0 of 2 has waited 1 s for MPI to start: "), line
     assert "every rank must run macroflow" in line, line
+
+
+SIGTERM_WHILE_SLEEPING = """
+    import os, signal, time
+    import macroflow as mf
+
+    @mf.persistent
+    class P:
+        def pid(self):
+            return os.getpid()
+
+        def sleep(self, s):
+            time.sleep(s)
+            return s
+
+    def main():
+        for c in (1, 2):
+            p = P.create(on=c)
+            pid = p.pid().result()
+            f = p.sleep(60)
+            time.sleep(0.3)
+            t = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            try:
+                f.result(timeout=20)
+            except mf.ContextLost:
+                print("lost", c, time.monotonic() - t < 10, flush=True)
+            except mf.TimeoutError:
+                print("not told", c, flush=True)
+
+    mf.run(main)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_sigtermed_while_its_method_sleeps_is_lost_at_once(tmp_path):
+    # (MPI's own thread took the signal half the time: its handler waited for
+    # the method's sleep to end, and the caller was not told for 60 s)
+    code, out, err = _mpiexec(tmp_path, 3, SIGTERM_WHILE_SLEEPING)
+    assert out.split("\n")[:2] == ["lost 1 True", "lost 2 True"], out + err
 
 
 PROGRAM = """

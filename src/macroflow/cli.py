@@ -277,8 +277,8 @@ class FirstToEnd:
         except OSError:
             pass
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._read_table, daemon=True)
-        self.thread.start()
+        from macroflow.core.threads import start_thread
+        self.thread = start_thread(self._read_table, "macroflow-contexts-table")
 
     def stop(self) -> None:
         self.done.set()
@@ -424,9 +424,8 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
         # the ranks print after a Ctrl-C (main's finally) is passed on too
         # while the job ends
         quiet = threading.Event()  # set once this process ends the job itself
-        relay = threading.Thread(target=_relay_output, args=(p.stdout, report, quiet),
-                                 name="macroflow-mpiexec-output", daemon=True)
-        relay.start()
+        from macroflow.core.threads import start_thread
+        relay = start_thread(_relay_output, "macroflow-mpiexec-output", (p.stdout, report, quiet))
         # a SIGTERM to this process ends the job too (killed outright, this
         # process left mpiexec and its ranks running on: for 30 s here)
         term = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

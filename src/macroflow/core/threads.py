@@ -309,6 +309,31 @@ def _give_back(signum: int, handler: Any, previous: Any) -> None:
         signal.signal(signum, previous)
 
 
+def start_thread(target: Callable[..., Any], name: str, args: tuple = (),
+                 daemon: bool = True) -> threading.Thread:
+    """Start a thread of the runtime's that blocks every signal, so that the
+    kernel gives a signal sent to the process (Ctrl-C, SIGTERM, a timer's)
+    to the main thread, where Python runs its handler at once. Taken by
+    another thread, the signal interrupted that thread's wait, not the main
+    thread's: its handler waited for the main thread's own wait to end (a
+    method's ``time.sleep(30)``: a SIGTERM'd rank was never said to leave).
+
+    Example:
+        >>> t = start_thread(lambda: None, "example")
+        >>> t.join(); t.name
+        'example'
+    """
+    t = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+    # (the thread takes this mask from the one that starts it: no moment
+    # when a signal could still reach it)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        t.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return t
+
+
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()  # services with a thread and a lock
 
 
@@ -496,9 +521,7 @@ class ServiceThread(Service):
         self.ep = select.epoll()
         self.ep.register(fd, select.EPOLLIN)
         _live.add(self)
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"macroflow-service-{getattr(engine, 'id', '')}")
-        self.thread.start()
+        self.thread = start_thread(self._run, f"macroflow-service-{getattr(engine, 'id', '')}")
 
     def leave(self) -> None:
         self.engine.user = False  # first: the thread starts no serving from here on
@@ -613,9 +636,7 @@ class ServiceSignal(Service):
             self.ticker = self._on_tick
             self.previous_tick = _take_signal(signal.SIGVTALRM, self.ticker)
         _live.add(self)
-        self.thread = threading.Thread(target=self._watch, daemon=True,
-                                       name=f"macroflow-service-{getattr(engine, 'id', '')}")
-        self.thread.start()
+        self.thread = start_thread(self._watch, f"macroflow-service-{getattr(engine, 'id', '')}")
 
     def enter(self) -> None:
         if not self.armed and self.ticker is not None and not self.stopped:

@@ -238,12 +238,26 @@ def mpi() -> Any:
         # MPI (a script that starts macroflow on rank 0 alone) left it waiting
         # for ever, saying nothing. It holds the interpreter meanwhile: what
         # says so is a process of its own
-        watch = _watch_init(world) if world is not None and world[1] > 1 else None
+        # MPI may start threads of its own (UCX's "async"): they take this
+        # thread's signal mask, and with these blocked there, the kernel gives
+        # a signal sent to the process to the main thread, which runs its
+        # handler at once (taken by such a thread, a SIGTERM waited for the
+        # main thread's own wait to end: a method's sleep). One that would
+        # end the process and comes meanwhile ends it still: the watcher sees
+        # it pending
+        main = threading.current_thread() is threading.main_thread()
+        fatal = {s for s in _HANDLED_SIGNALS if signal.getsignal(s) == signal.SIG_DFL} \
+            if main else set()
+        several = world is not None and world[1] > 1
+        watch = _watch_init(world if several else None, fatal) if several or fatal else None
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS) if main else None
         try:
             from mpi4py import MPI
         except ImportError as e:
             raise ImportError(available() or f"mpi4py cannot be imported: {e}") from e
         finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             if watch is not None:
                 try:
                     os.kill(watch, signal.SIGKILL)
@@ -254,11 +268,20 @@ def mpi() -> Any:
     return _MPI
 
 
-def _watch_init(world: Tuple[int, int]) -> Optional[int]:
-    # a child that says what this rank waits for if MPI has not started
-    # within init_warning_s(), unless this rank has ended
+#: signals whose Python handlers the main thread must run when they come
+_HANDLED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+                    signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF}
+
+
+def _watch_init(world: Optional[Tuple[int, int]], fatal: Set[int]) -> Optional[int]:
+    # A child that says what this rank waits for if MPI has not started
+    # within init_warning_s() (``world``: a rank of a job of several), and
+    # kills it if a signal of ``fatal`` (blocked meanwhile, and the end of
+    # the process by default) is pending; until MPI has started (this rank
+    # kills it then) or this rank has ended.
     from ..core.threads import fork
     wait, parent = init_warning_s(), os.getpid()
+    mask = sum(1 << (s - 1) for s in fatal)
     try:
         pid = fork()
     except OSError:
@@ -267,13 +290,26 @@ def _watch_init(world: Tuple[int, int]) -> Optional[int]:
         return pid
     try:
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if os.getppid() != parent:
-                os._exit(0)
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-        _init_waits(world)
+        while os.getppid() == parent:
+            if mask and _pending(parent) & mask:
+                os.kill(parent, signal.SIGKILL)  # (as the signal would have ended it)
+                break
+            if world is not None and deadline is not None and time.monotonic() >= deadline:
+                _init_waits(world)
+                deadline = None
+            time.sleep(0.05)
     finally:
         os._exit(0)
+
+
+def _pending(pid: int) -> int:
+    # the signals pending for the process, and for its main thread
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields.get("ShdPnd", "0"), 16) | int(fields.get("SigPnd", "0"), 16)
+    except (OSError, ValueError):
+        return 0
 
 
 def init_warning_s() -> float:
@@ -380,9 +416,8 @@ class DeathWatch:
         self.listener.listen(64)
         self._stop_r, self._stop_w = os.pipe()
         self._cond = threading.Condition()
-        self.thread = threading.Thread(target=self._serve, name="macroflow-death-watch",
-                                       daemon=True)
-        self.thread.start()
+        from ..core.threads import start_thread
+        self.thread = start_thread(self._serve, "macroflow-death-watch")
 
     @classmethod
     def here(cls) -> Optional["DeathWatch"]:
@@ -677,9 +712,8 @@ def disconnect(comm: Any, ctx: int, wait: Optional[float] = None,
         True
     """
     wait = DISCONNECT_WAIT if wait is None else wait
-    t = threading.Thread(target=comm.Disconnect, daemon=True,
-                         name=f"macroflow-mpi-disconnect-{ctx}")
-    t.start()
+    from ..core.threads import start_thread
+    t = start_thread(comm.Disconnect, f"macroflow-mpi-disconnect-{ctx}")
     t.join(wait)
     if not t.is_alive():
         return True
@@ -2595,9 +2629,8 @@ def _start_mpi_for_abort(wait: float = 10.0) -> bool:
     ranks never start it)."""
     if _MPI is not None:
         return _MPI.Is_initialized() and not _MPI.Is_finalized()
-    import threading
-    t = threading.Thread(target=lambda: _try(mpi), daemon=True)
-    t.start()
+    from ..core.threads import start_thread
+    t = start_thread(lambda: _try(mpi), "macroflow-mpi-start")
     t.join(wait)
     return _MPI is not None and _MPI.Is_initialized()
 
