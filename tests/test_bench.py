@@ -181,16 +181,16 @@ def test_baselines_write_their_figures_with_json(tmp_path, monkeypatch, capsys):
     # (--json was taken and nothing was written)
     from macroflow.bench import baselines
     fig = {"median_us": 1.0, "p10_us": 1.0, "p90_us": 1.0, "mean_us": 1.0}
-    monkeypatch.setattr(baselines, "pingpong", lambda mode: dict(fig))
-    monkeypatch.setattr(baselines, "mailbox", lambda: dict(fig))
+    monkeypatch.setattr(baselines, "pingpong", lambda mode, **kw: dict(fig))
+    monkeypatch.setattr(baselines, "mailbox", lambda **kw: dict(fig))
     monkeypatch.setattr(baselines, "bandwidth",
-                        lambda: dict(fig, nbytes=2 ** 20, mb_per_s=1.0, sndbuf=1))
+                        lambda **kw: dict(fig, nbytes=2 ** 20, mb_per_s=1.0, sndbuf=1))
     monkeypatch.setattr(baselines, "fork_roundtrip_startup",
                         lambda: dict(fig, min_us=1.0, max_us=1.0, runs=1))
     path = tmp_path / "b.json"
     assert bench.main("baselines", json_path=str(path)) == 0
     got = json.loads(path.read_text())
-    assert sorted(got) == ["bandwidth", "fork_startup", "mailbox", "pingpong"]
+    assert sorted(got) == ["bandwidth", "fork_startup", "mailbox", "pingpong", "quick"]
     assert sorted(got["pingpong"]) == sorted(baselines.MODES)
 
 
