@@ -65,9 +65,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.size < 1 or (args.contexts is not None and args.contexts < 1) or args.steps < 0 \
-            or (args.blocks or 1) < 1:
+            or (args.blocks is not None and args.blocks < 1):
         p.error("--size, --contexts and --blocks must be at least 1, --steps at least 0")
-    if (args.blocks or 1) > args.size:
+    if args.blocks is not None and args.blocks > args.size:
         p.error(f"--blocks: at most one block per row ({args.size})")
     return args
 
@@ -75,7 +75,7 @@ def parse_args(argv: list) -> argparse.Namespace:
 def main() -> None:
     args = parse_args(sys.argv[1:])
     n, seed = args.size, args.seed
-    k = args.blocks or min(mf.num_contexts(), n)
+    k = args.blocks if args.blocks is not None else min(mf.num_contexts(), n)
     A = mf.Collection(RowBlock, k, n, k, seed)
     print(f"matvec: {n}x{n} float64, {k} row blocks on contexts "
           f"{sorted({A.owner(i) for i in range(k)})}")

@@ -125,6 +125,7 @@ def test_examples_default_to_the_runtimes_number_of_contexts():
     ("matmul.py --blocks 0", "--blocks from 1 to --size"),
     ("matmul.py --size 5 --blocks 6", "--blocks from 1 to --size"),
     ("matvec.py --contexts 0", "--contexts and --blocks must be at least 1"),
+    ("matvec.py --blocks 0", "--contexts and --blocks must be at least 1"),  # (it ran)
     ("fanout.py --seed -1", "--seed must be at least 0"),
 ])
 def test_an_example_given_a_bad_option_says_which(command, says):

@@ -325,11 +325,40 @@ def test_sys_exit_in_a_guard_fails_its_call_not_the_caller(run):
      r"T.__init__ has a guard, but a constructor runs once"),
     ("@mf.guard(lambda self: False)\n    def _hidden(self): pass",
      r"T._hidden has a guard, but only public methods are called through a handle"),
+    # (its coroutine was true and never run: the guard always held)
+    ("@mf.guard(_never_async)\n    def m(self): pass",
+     r"mf.guard\(_never_async\): the predicate is an async function"),
 ])
 def test_guards_that_could_never_work_are_refused_when_the_class_is_made(body, match):
     src = f"@mf.persistent\nclass T:\n    {body}\n"
     with pytest.raises(TypeError, match=match):
-        exec(src, {"mf": mf})
+        exec(src, {"mf": mf, "_never_async": _never_async})
+
+
+async def _never_async(self):
+    return False
+
+
+@mf.persistent
+class AwaitingGuard:
+    @mf.guard(lambda self: _never_async(self))  # a plain function that returns a coroutine
+    def enter(self):
+        return "in"
+
+    def other(self):
+        return "other"
+
+
+def test_a_guard_that_returns_a_coroutine_fails_its_call(run):
+    # (the coroutine was true: the call ran although the guard said False)
+    def main():
+        g = AwaitingGuard.create(on=1)
+        with pytest.raises(TypeError, match=r"the guard of AwaitingGuard.enter\(\) returned "
+                                            r"coroutine .* a guard cannot wait for"):
+            g.enter().result(timeout=10)
+        return g.other().result(timeout=10)
+
+    assert run(main, contexts=2) == "other"
 
 
 def _put(self, x):
@@ -368,3 +397,40 @@ def test_a_guard_is_on_its_class_only_not_on_the_function_it_shares(run):
 
     assert run(main, contexts=2) == ([1, 2, 3], False, 1)
     assert not hasattr(_put, "__mf_guard__")
+
+
+class _Wrap:
+    def __init__(self, f):
+        self.f = f
+
+
+@mf.persistent
+class Mailbox:
+    def __init__(self):
+        self.item = None
+
+    def put(self, w):
+        self.item = w
+
+    @mf.guard(lambda self: self.item is not None)
+    def get(self):
+        return self.item
+
+
+@mf.persistent
+class WaitsForItself:
+    def work(self, mb):
+        return mb.get().result().f.result()  # its own future, handed back through the mailbox
+
+
+def test_a_method_that_waits_for_its_own_future_is_told_so(run):
+    # (a DeadlockError that named the call "a method")
+    def main():
+        mb = Mailbox.create(on=1)
+        f = WaitsForItself.create(on=2 % mf.num_contexts()).work(mb)
+        mb.put(_Wrap(f))
+        with pytest.raises(mf.DeadlockError, match=r"WaitsForItself.work waits for its own "
+                                                   r"result \(its future came back to it\)"):
+            f.result(timeout=30)
+
+    run(main, contexts=3)

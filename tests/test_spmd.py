@@ -1945,6 +1945,18 @@ def test_an_spmd_result_that_cannot_be_pickled_names_its_type_and_context(transp
         mf.spmd(_returns_a_lock, n=2, transport=transport)
 
 
+def _takes_a_lock(lock):
+    return mf.rank()
+
+
+def test_spmd_arguments_that_cannot_be_pickled_name_the_spmd_function(transport):
+    # (it named "main", the runtime's call that carries a run)
+    import threading
+    with pytest.raises(mf.CallError, match=r"cannot send the arguments of SPMD function "
+                                           r"_takes_a_lock: TypeError: cannot pickle"):
+        mf.spmd(_takes_a_lock, threading.Lock(), n=2, transport=transport)
+
+
 def _ops_differ():
     return mf.allreduce(float(mf.rank() + 1), op="sum" if mf.rank() == 0 else "max")
 

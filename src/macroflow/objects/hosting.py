@@ -26,6 +26,7 @@ import bisect
 import collections
 import hashlib
 import heapq
+import inspect
 import pickle
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -355,10 +356,16 @@ class ObjectHost(Model):
                 try:
                     # bool() here: a value without a truth value (a numpy array) fails the call
                     if meth.__mf_guard_args__:
-                        ok = bool(guard(obj.instance, *eng._fill(call.args, call),
-                                        **eng._fill_kw(call)))
+                        ok = guard(obj.instance, *eng._fill(call.args, call),
+                                   **eng._fill_kw(call))
                     else:
-                        ok = bool(guard(obj.instance))
+                        ok = guard(obj.instance)
+                    if inspect.isawaitable(ok):  # (true, and never run: it would always hold)
+                        getattr(ok, "close", lambda: None)()
+                        raise TypeError(f"the guard of {obj.label}.{call.method}() returned "
+                                        f"{type(ok).__name__} {ok!r}, which a guard cannot "
+                                        f"wait for: it must return a truth value at once")
+                    ok = bool(ok)
                 finally:
                     eng.in_guard = None
             except INTERRUPTS:
@@ -593,9 +600,18 @@ class ObjectCalls(_HostedKind):
     def check_wait(self, call: Call, f: Any) -> None:
         obj = call.obj
         if obj is not None and f._target == obj.oid:
+            if f._fid == call.fid:
+                raise errors.DeadlockError(
+                    f"{self.label(call)} waits for its own result (its future came back to it): "
+                    f"it can never come while the method waits for it.")
+            name = site_label(f._site)
+            if name is None:  # a future handed to it: the call it stands for names it
+                slot = self.eng.slots.get(f._fid)
+                waited = getattr(slot, "call", None)
+                name = self.label(waited) if waited is not None else "a method"
             raise errors.DeadlockError(
                 f"{self.label(call)} waits on a call to its own object "
-                f"({site_label(f._site) or 'a method'}); a persistent object runs one method at a "
+                f"({name}); a persistent object runs one method at a "
                 f"time, so that call can never start. Return the future instead "
                 f"(elaboration) or restructure the method.")
 

@@ -564,6 +564,10 @@ def guard(predicate: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     """
     if not callable(predicate):
         raise TypeError(f"mf.guard() takes a predicate; got {type(predicate).__name__}")
+    if inspect.iscoroutinefunction(predicate) or inspect.isasyncgenfunction(predicate):
+        # (its coroutine would be true, never run: the guard would always hold)
+        raise TypeError(f"mf.guard({_name(predicate)}): the predicate is an async function; a "
+                        f"guard is evaluated at once, between calls: write a plain function")
     try:
         sig = inspect.signature(predicate)
     except (TypeError, ValueError):

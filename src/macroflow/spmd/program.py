@@ -102,8 +102,14 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     native = eng.id == 0 and not model.native_runs
     model.native_runs += native
     try:
-        futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region, native),
-                             {}, r) for r in range(size)]
+        try:
+            futures = [eng.issue(KIND, None, "main", (run_id, size, timeout, fn, args, region,
+                                                      native), {}, r) for r in range(size)]
+        except errors.CallError as e:
+            # (named as the user knows it, not by the runtime's call that carries it)
+            name = getattr(fn, "__qualname__", None) or repr(fn)
+            raise errors.CallError(str(e).replace("the arguments of main:", f"the arguments of "
+                                                  f"SPMD function {name}:", 1)) from e.__cause__
         return _results(fn, futures)
     finally:
         model.native_runs -= native
