@@ -916,11 +916,15 @@ def test_ctrl_c_to_macroflow_run_under_mpiexec_ends_the_job_cleanly(tmp_path, wh
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_to_macroflow_run_under_mpiexec_ends_the_job(tmp_path):
-    # (killed outright, it left mpiexec and its ranks running: for an hour here)
+@pytest.mark.parametrize("whom", ["macroflow run alone", "its process group"])
+def test_sigterm_to_macroflow_run_under_mpiexec_ends_the_job(tmp_path, whom):
+    # (killed outright, it left mpiexec and its ranks running: for an hour
+    # here; to the group, as `timeout` sends it, a thread of numpy's took it
+    # and the command ended with mpiexec, before it could sweep /dev/shm)
     import psutil
+    before = M.mpich_shm_files()
     code, out, err, took = _interrupt_macroflow_run(tmp_path, WAITS_AN_HOUR, ["--spmd"],
-                                                    "macroflow run alone", signal.SIGTERM)
+                                                    whom, signal.SIGTERM)
     assert code == 143, (code, out, err)
     assert took < 30
     assert "macroflow: terminated (SIGTERM); the job's 2 ranks were ended" in err, err
@@ -928,6 +932,7 @@ def test_sigterm_to_macroflow_run_under_mpiexec_ends_the_job(tmp_path):
     ranks = [p for p in psutil.process_iter(["cmdline"])
              if str(tmp_path / "job.py") in (p.info["cmdline"] or [])]
     assert ranks == []
+    assert not [f for f in M.mpich_shm_files() - before if not M.in_use(f)]
 
 
 SLEEPS_IN_A_BARRIER = """

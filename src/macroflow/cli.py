@@ -432,7 +432,7 @@ def _run_under_mpiexec(args: argparse.Namespace) -> int:
         if term:
             signal.signal(signal.SIGTERM, _terminated)
         try:
-            code = p.wait()
+            code = _wait_for(p)
             interrupted = False
         except KeyboardInterrupt:
             code, interrupted = _end_job(p), True
@@ -512,6 +512,24 @@ def _relay_output(stream: Any, report: List[bytes],
 # how the lines of MPICH mpiexec's report of a job it ended begin
 _BANNER = (b"=", b"YOUR APPLICATION TERMINATED", b"This typically refers",
            b"Please see the FAQ")
+
+
+def _wait_for(p: Any) -> int:
+    """``p.wait()``, a moment at a time: a signal that a thread which is not
+    the main thread took (one of a library's, which does not block it) runs
+    its handler when the main thread looks, not when the job has ended.
+
+    Example:
+        >>> import subprocess, sys
+        >>> _wait_for(subprocess.Popen([sys.executable, "-c", "pass"]))
+        0
+    """
+    import subprocess
+    while True:
+        try:
+            return p.wait(0.2)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _terminated(signum: int, frame: Any) -> None:

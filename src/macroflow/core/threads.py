@@ -309,6 +309,33 @@ def _give_back(signum: int, handler: Any, previous: Any) -> None:
         signal.signal(signum, previous)
 
 
+#: signals whose Python handlers the main thread must run as they come
+HANDLED_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
+                             signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF})
+
+
+def import_quietly(name: str) -> None:
+    """Import module ``name`` with :data:`HANDLED_SIGNALS` blocked, if it is
+    not imported yet and this is the main thread: a module that starts
+    threads as it loads (numpy's BLAS) gives them this mask, so that they
+    never take a signal sent to the process. Taken by one, a signal did not
+    interrupt the main thread's wait (a SIGTERM to ``macroflow run`` waited
+    for the job to end), its handler ran only once that wait was over.
+
+    Example:
+        >>> import_quietly("json")
+        >>> import sys; "json" in sys.modules
+        True
+    """
+    if name in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        __import__(name)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_thread(target: Callable[..., Any], name: str, args: tuple = (),
                  daemon: bool = True) -> threading.Thread:
     """Start a thread of the runtime's that blocks every signal, so that the

@@ -246,11 +246,12 @@ def mpi() -> Any:
         # end the process and comes meanwhile ends it still: the watcher sees
         # it pending
         main = threading.current_thread() is threading.main_thread()
-        fatal = {s for s in _HANDLED_SIGNALS if signal.getsignal(s) == signal.SIG_DFL} \
+        from ..core.threads import HANDLED_SIGNALS
+        fatal = {s for s in HANDLED_SIGNALS if signal.getsignal(s) == signal.SIG_DFL} \
             if main else set()
         several = world is not None and world[1] > 1
         watch = _watch_init(world if several else None, fatal) if several or fatal else None
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS) if main else None
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS) if main else None
         try:
             from mpi4py import MPI
         except ImportError as e:
@@ -266,11 +267,6 @@ def mpi() -> Any:
                     pass
         _MPI = MPI
     return _MPI
-
-
-#: signals whose Python handlers the main thread must run when they come
-_HANDLED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
-                    signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF}
 
 
 def _watch_init(world: Optional[Tuple[int, int]], fatal: Set[int]) -> Optional[int]:
