@@ -16,7 +16,7 @@ from .core.threads import import_quietly as _import_quietly
 
 _import_quietly("numpy")  # (before anything else imports it: its BLAS threads block signals)
 
-from .core.errors import CallError as CallError  # noqa: E402
+from .core.errors import CallError as CallError
 from .core.errors import CollectiveError as CollectiveError
 from .core.errors import ContextLost as ContextLost
 from .core.errors import DeadlockError as DeadlockError
