@@ -12,7 +12,7 @@ Everything public is re-exported here (and named in ``__all__``); nothing else
 lives in this file.
 """
 
-from .core.threads import import_quietly as _import_quietly
+from .core.threads import import_quietly as _import_quietly  # noqa: I001 (first)
 
 _import_quietly("numpy")  # (before anything else imports it: its BLAS threads block signals)
 
