@@ -204,12 +204,9 @@ def test_a_worker_with_the_wrong_secret_is_refused_and_the_computation_is_unharm
         assert Where.create(on=1).here().result()[0] == 1
 
 
-def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
-    # classes of __main__ travel by value (pickled code): another Python or
-    # cloudpickle may not read them, and would fail calls one by one
-    code = ("import sys, macroflow.join as j; "
-            "j.runtime_versions = lambda: {'python': '3.10', 'cloudpickle': '2.1'}; "
-            "sys.exit(j.worker_main(sys.argv[1], 1))")
+def _join_with(code):
+    """(exit code, stderr) of a worker run as ``python -c code ADDRESS``,
+    joining a computation of 2 contexts, which must be left as it was."""
     with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
                "MACROFLOW_SECRET": SECRET}
@@ -217,6 +214,15 @@ def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rc, err = serve_until_done(w)
         assert mf.num_contexts() == 2
+    return rc, err
+
+
+def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
+    # classes of __main__ travel by value (pickled code): another Python or
+    # cloudpickle may not read them, and would fail calls one by one
+    rc, err = _join_with(("import sys, macroflow.join as j; "
+                          "j.runtime_versions = lambda: {'python': '3.10', 'cloudpickle': '2.1'}; "
+                          "sys.exit(j.worker_main(sys.argv[1], 1))"))
     from macroflow.join import runtime_versions
     ours = runtime_versions()
     assert rc == 1
@@ -229,15 +235,8 @@ def test_a_worker_with_another_python_or_cloudpickle_is_refused_saying_which():
 def test_a_worker_of_another_macroflow_version_is_refused_once_by_what_it_is():
     # (the worker said it twice, once through its log; named itself by its
     # guest id, "context 2225219069"; and guessed at TLS)
-    code = ("import sys, macroflow.transport.tcp as t; t._version = lambda: (9, 9); "
-            "import macroflow.join as j; sys.exit(j.worker_main(sys.argv[1], 1))")
-    with mf.init(contexts=2, listen="127.0.0.1:0", secret=SECRET) as s:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, *sys.path]),
-               "MACROFLOW_SECRET": SECRET}
-        w = subprocess.Popen([sys.executable, "-c", code, s.launcher.address], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        rc, err = serve_until_done(w)
-        assert mf.num_contexts() == 2
+    rc, err = _join_with(("import sys, macroflow.transport.tcp as t; t._version = lambda: (9, 9); "
+                          "import macroflow.join as j; sys.exit(j.worker_main(sys.argv[1], 1))"))
     assert rc == 1
     assert err.count("same major.minor version") == 1, err
     assert "and a joining worker runs 9.9" in err, err

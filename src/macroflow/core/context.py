@@ -963,20 +963,13 @@ class Engine:
                             break
                         one = f
             if one is not None:
-                call.waiting = one
-                now = time.monotonic()
-                if not eng.blocked:
-                    eng.next_probe = now + PROBE_AFTER
-                eng.blocked[call.fid] = (call, one, waiter, now)
-                eng.blocked_version += 1
+                eng._block(call, one, waiter)
             try:
                 r = eng.root.switch(PARKED)
             finally:
                 arrivals.waiter = None
                 if one is not None:
-                    call.waiting = None
-                    eng.blocked.pop(call.fid, None)
-                    eng.blocked_version += 1
+                    eng._unblock(call)
             if type(r) is errors.DeadlockError:
                 raise r
             return bool(arrivals.queue)
@@ -988,6 +981,21 @@ class Engine:
             return self.driver.run_until(lambda: bool(arrivals.queue), deadline)
         finally:
             self.timed_wait = timed
+
+    def _block(self, call: Call, f: Future, waiter: Waiter) -> None:
+        """``call``'s thread waits for ``f``: the probes for wait cycles follow
+        it from here (wait_future does the same inline: its path is hot)."""
+        call.waiting = f
+        now = time.monotonic()
+        if not self.blocked:
+            self.next_probe = now + PROBE_AFTER
+        self.blocked[call.fid] = (call, f, waiter, now)
+        self.blocked_version += 1
+
+    def _unblock(self, call: Call) -> None:
+        call.waiting = None
+        self.blocked.pop(call.fid, None)
+        self.blocked_version += 1
 
     def _glance_for(self, f: Future) -> None:
         # Only with nothing else to do here, and nothing that completes without
