@@ -1443,3 +1443,51 @@ def test_a_fault_of_the_script_under_macroflow_run_mpi_is_said_once(tmp_path, so
                          timeout=100, env=_env())
     assert out.returncode != 0
     assert out.stderr.count(says) == 1, out.stderr
+
+
+INTERRUPTED_WHILE_ADDING = """
+    import os, signal, sys, threading
+    import macroflow as mf
+
+    def main():
+        threading.Timer(float(sys.argv[1]), os.kill, (os.getpid(), signal.SIGINT)).start()
+        mf.add_contexts(1)
+        threading.Event().wait(30)
+
+    try:
+        mf.run(main, contexts=1, transport="mpi")
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after", ["0.1", "0.3"])
+def test_a_ctrl_c_while_adding_a_rank_leaves_no_rank_behind(tmp_path, after):
+    # (interrupted between MPI's spawn and its merge, the program ended and
+    # the new rank waited in the merge for ever, spinning a core)
+    import psutil
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(INTERRUPTED_WHILE_ADDING))
+    before = M.mpich_shm_files()
+    p = subprocess.Popen([sys.executable, str(script), after], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env())
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+
+    def spawned_by_it():  # (a spawned rank's command line ends with its spawner's pid)
+        out = []
+        for q in psutil.process_iter(["cmdline"]):
+            line = " ".join(q.info["cmdline"] or [])
+            if "_spawned(" in line and line.endswith(f", {p.pid})"):
+                out.append(q)
+        return out
+
+    deadline = time.monotonic() + 10
+    while spawned_by_it() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = spawned_by_it()
+    for q in left:
+        q.kill()
+    assert left == []
+    assert not [f for f in M.mpich_shm_files() - before if not M.in_use(f)]

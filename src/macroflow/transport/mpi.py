@@ -2303,7 +2303,7 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
     watch = DeathWatch.here()
     code = (f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}; "
             f"from macroflow.transport.mpi import _spawned; _spawned({entry!r}, "
-            f"{watch.name if watch is not None else None!r})")
+            f"{watch.name if watch is not None else None!r}, {os.getpid()})")
     sys.stdout.flush()
     sys.stderr.flush()
     before = mpich_shm_files()
@@ -2385,9 +2385,11 @@ def _hello(comm: Any) -> None:
     comm.send(("ok", socket.gethostname(), os.getpid()), dest=0, tag=HELLO)
 
 
-def _spawned(entry: str, watch: Optional[str] = None) -> None:  # pragma: no cover - runs in a spawned rank
+def _spawned(entry: str, watch: Optional[str] = None,
+             spawner: Optional[int] = None) -> None:  # pragma: no cover - runs in a spawned rank
     """What a spawned rank runs: merge with its parent, say hello, run ``entry``,
-    leave. ``watch`` is the name of the parent's :class:`DeathWatch`."""
+    leave. ``watch`` is the name of the parent's :class:`DeathWatch`;
+    ``spawner`` the pid of the process that spawned it."""
     if watch is not None:
         DeathWatch.report_to(watch)
     if os.environ.get(WATCH_ENV):
@@ -2396,7 +2398,12 @@ def _spawned(entry: str, watch: Optional[str] = None) -> None:  # pragma: no cov
         DeathWatch.report_to(os.environ[WATCH_ENV])
     MPI = mpi()
     parent = MPI.Comm.Get_parent()
+    merged = threading.Event()
+    if spawner is not None:
+        from ..core.threads import start_thread
+        start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner, merged))
     comm = parent.Merge(high=True)
+    merged.set()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
     try:
         import importlib
@@ -2410,6 +2417,32 @@ def _spawned(entry: str, watch: Optional[str] = None) -> None:  # pragma: no cov
     except BaseException:
         traceback.print_exc()
     _leave(0)
+
+
+#: seconds a spawned rank waits for its spawner to merge with it
+MERGE_WAIT = 60.0
+
+
+def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no cover - in a rank
+    # The spawner merges with its new ranks as soon as MPI has started them;
+    # one interrupted in between (a Ctrl-C during mf.add_contexts) never
+    # does, and they waited in the merge for ever, spinning. A rank whose
+    # spawner has ended, or has not merged in MERGE_WAIT s, ends, removing
+    # MPICH's files that only it still maps.
+    deadline = time.monotonic() + MERGE_WAIT
+    while not merged.wait(0.2):
+        try:  # (ended: gone, or a zombie that its parent has not reaped yet)
+            with open(f"/proc/{spawner}/stat", "rb") as f:
+                gone = f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        except OSError:
+            gone = True
+        if gone or time.monotonic() > deadline:
+            try:
+                with open("/proc/self/maps") as f:
+                    mine = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+                remove_unused(sorted(mine), besides=os.getpid())
+            finally:
+                os._exit(1)
 
 
 def _hello_only(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
