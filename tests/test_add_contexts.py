@@ -60,6 +60,24 @@ def test_init_runs_in_each_new_context_before_it_serves(run):
     assert run(main, contexts=2) == ["initialised-2", "initialised-3"]
 
 
+def set_sum(values, cid):
+    TAGS[mf.context_id()] = float(values.sum())
+
+
+def test_an_init_that_holds_a_large_array_is_run(run):
+    # (a partial over 1 MiB of numpy: "init must be a function (it pickled
+    # with out-of-band buffers)"; a closure over it, on local: "Message too
+    # long", said as the end of the fork server, which had not ended)
+    import functools
+    import numpy as np
+
+    def main():
+        new = mf.add_contexts(1, init=functools.partial(set_sum, np.ones(131072)))
+        return [Where.create(on=c).tag().result() for c in new]
+
+    assert run(main, contexts=2) == [131072.0]
+
+
 def test_new_and_old_contexts_call_each_other(run):
     def main():
         (new,) = mf.add_contexts(1)

@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional
 from .core.threads import fork
 
 _MAX_PACKET = 1 << 24
+_INLINE_BLOB = 1 << 16  # a context's init larger than this goes in a memory file
 
 
 def start(child_main: Callable[..., None], close_fds: List[socket.socket]) -> "ForkServer":
@@ -106,10 +107,25 @@ class ForkServer:
     def fork(self, ctx: int, child_sock: socket.socket, blob: bytes) -> None:
         """Ask for context ``ctx``; :meth:`pid_of` tells when it is forked.
         RuntimeError if the server has ended (killed, say)."""
+        fds = [child_sock.fileno()]
+        big = None
+        if len(blob) > _INLINE_BLOB:
+            # (a packet holds what the socket's buffer holds, some 200 KB: an
+            # init of a megabyte went "Message too long", said as the server's
+            # end) in a memory file of its own, whatever its size
+            big = os.memfd_create("macroflow-init", os.MFD_CLOEXEC)
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(big, view):]
+            fds.append(big)
+            blob = b""
         try:
-            socket.send_fds(self.sock, [pickle.dumps(("fork", ctx, blob))], [child_sock.fileno()])
+            socket.send_fds(self.sock, [pickle.dumps(("fork", ctx, blob))], fds)
         except OSError as e:
             raise RuntimeError(self._ended(e)) from None
+        finally:
+            if big is not None:
+                os.close(big)
 
     def _ended(self, e: BaseException) -> str:
         return (f"the fork server that makes this computation's new contexts (process "
@@ -201,18 +217,25 @@ def _serve(sock: socket.socket, child_main: Callable[..., None]) -> None:  # pra
             if sock not in r:
                 continue
             try:
-                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 1)
+                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_PACKET, 2)
             except ConnectionError:
                 return
             if not data:
                 return  # context 0 is gone
             _kind, ctx, blob = pickle.loads(data)
+            if len(fds) > 1:  # a large init, in a memory file
+                with os.fdopen(fds.pop(), "rb") as f:
+                    f.seek(0)  # (the writer's offset: the file is shared)
+                    blob = f.read()
             try:
                 pid = os.fork()
             except OSError as e:
                 for fd in fds:
                     os.close(fd)
-                sock.send(pickle.dumps(("error", ctx, f"fork failed: {e}")))
+                try:
+                    sock.send(pickle.dumps(("error", ctx, f"fork failed: {e}")))
+                except OSError:
+                    return
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -224,7 +247,10 @@ def _serve(sock: socket.socket, child_main: Callable[..., None]) -> None:  # pra
             for fd in fds:
                 os.close(fd)
             children[pid] = ctx
-            sock.send(pickle.dumps(("pid", ctx, pid)))
+            try:
+                sock.send(pickle.dumps(("pid", ctx, pid)))
+            except OSError:
+                return  # context 0 is gone (a Ctrl-C as it added contexts): so are they
     finally:
         from .launch import _kill
         for pid in children:

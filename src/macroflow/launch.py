@@ -512,9 +512,7 @@ class ForkLauncher(Launcher):
         assert eng is not None
         if self.server is None:
             super().add(ids, init)
-        blob, bufs = marshal.dumps(init)
-        if bufs:
-            raise ValueError("init must be a function (it pickled with out-of-band buffers)")
+        blob = marshal.dumps_inband(init)  # (an array it holds too: a partial's, say)
         for c in ids:
             try:
                 a, b = socket.socketpair()

@@ -364,6 +364,20 @@ def dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
     return _encoder.dumps(obj)
 
 
+def dumps_inband(obj: Any) -> bytes:
+    """Pickle ``obj`` as :func:`dumps` does, its arrays inside the stream: for
+    what is sent alone (a new context's ``init``), not as a frame's parts.
+
+    Example:
+        >>> import numpy as np
+        >>> loads(dumps_inband({"a": np.ones(100_000)}))["a"].sum()
+        100000.0
+    """
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
+
+
 def loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
     """Inverse of :func:`dumps`; arrays are rebuilt on ``buffers`` without a copy.
 

@@ -2914,9 +2914,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             # __main__ defines goes by value from here on, the init first
             # (pickled by name, it could not be found there)
             marshal.main_by_value()
-        blob, bufs = marshal.dumps(init)
-        if bufs:
-            raise ValueError("init must be a function (it pickled with out-of-band buffers)")
+        blob = marshal.dumps_inband(init)  # (an array it holds too: a partial's, say)
         self._watch_deaths()
         try:
             inter, parent, hellos = spawn(len(ids), "macroflow.transport.mpi:_serve_added")
