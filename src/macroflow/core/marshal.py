@@ -370,7 +370,7 @@ def dumps_inband(obj: Any) -> bytes:
 
     Example:
         >>> import numpy as np
-        >>> loads(dumps_inband({"a": np.ones(100_000)}))["a"].sum()
+        >>> float(loads(dumps_inband({"a": np.ones(100_000)}))["a"].sum())
         100000.0
     """
     f = io.BytesIO()
