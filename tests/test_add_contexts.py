@@ -113,6 +113,31 @@ def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not
     assert places == {1, 3}
 
 
+def fails_on_even(cid):
+    if cid % 2 == 0:
+        raise ValueError(f"no room on {cid}")
+
+
+def test_when_several_inits_raise_one_error_names_them_all_and_the_contexts_in_use(run):
+    # (the first failure alone was said, without the new contexts in use, and
+    # the second failed context was left to placement until its end was seen)
+    def main():
+        with pytest.raises(mf.MacroflowError) as err:
+            mf.add_contexts(3, init=fails_on_even)  # contexts 2, 3 and 4
+        places = {Where.create().here().result() for _ in range(8)}
+        states = [(c.id, c.state) for c in mf.contexts()]
+        return str(err.value), err.value.added, places, states
+
+    text, added, places, states = run(main, contexts=2)
+    assert text.startswith("init of new context 2 raised (the context is not used); "
+                           "contexts [4] failed too (contexts [3] were added and are used):")
+    assert "ValueError: no room on 2" in text
+    assert added == [3]
+    assert places == {1, 3}
+    assert states == [(0, "running"), (1, "running"), (2, "failed"), (3, "running"),
+                      (4, "failed")]
+
+
 @pytest.mark.parametrize("n, init, error, match, timeout", [
     (0, None, ValueError, "n must be a positive int; got 0", 60),
     ("2", None, TypeError, "n must be a positive int; got '2'", 60),

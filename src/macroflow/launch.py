@@ -815,13 +815,16 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         CallError: ``init`` cannot be pickled (found before any context is
             started).
         MacroflowError: ``init`` raised in a new context (with its traceback;
-            that context is not used, the others are).
-        ContextLost: a new context died before it reported in.
+            that context is not used, the others are). The first failure is
+            raised; its message names the others, and its ``added``
+            attribute lists the new contexts that are in use.
+        ContextLost: a new context died before it reported in (``added``
+            as above).
         TimeoutError: a new context did not report in within ``timeout``
             seconds (its ``init`` had not returned): it counts as lost, no
             work is placed on it, and it is stopped (on ``local`` and
             ``tcp``; elsewhere it ends with the computation). Those that
-            reported in are used.
+            reported in are used (``added`` lists them).
         LimitError: this host cannot hold ``n`` more contexts (too little
             memory, RLIMIT_NPROC, or on ``local`` and ``tcp`` too few free
             file descriptors, RLIMIT_NOFILE): found before any is started.
@@ -887,25 +890,37 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             except Exception:
                 pass
     eng.transport.flush()
+    # every failure is marked before one is raised (a second context whose
+    # init raised was otherwise left for placement until its end was seen)
+    failed = [c for c in reported if c not in eng.joined or eng.joined[c][1] is not None]
+    for c in failed:
+        if c in eng.joined:
+            eng.lost.setdefault(c, "its init raised")  # no work goes there
+    used = [c for c in reported if c not in failed]
+    in_use = f" (contexts {used} were added and are used)" if used else ""
+    err: Exception
     if not done:
         still = [c for c in late if c not in stopped]
-        raise errors.TimeoutError(
+        err = errors.TimeoutError(
             f"add_contexts: contexts {late} did not report in within {timeout} s (their init "
             f"had not returned); "
             + ("they were stopped" if not still else
                f"contexts {still} cannot be stopped on {s.transport_name} and end with the "
                f"computation")
             + "; no work is placed on them"
-            + (f" (contexts {reported} reported in and are used)" if reported else ""))
-    for c in ids:
+            + (f"; contexts {failed} failed" if failed else "") + in_use)
+    elif failed:
+        c = failed[0]
+        also = (f"; contexts {failed[1:]} failed too" if len(failed) > 1 else "") + in_use
         if c not in eng.joined:
-            raise errors.ContextLost(c, eng.lost[c])
-        error = eng.joined[c][1]
-        if error is not None:
-            eng.lost.setdefault(c, "its init raised")  # no work goes there
-            raise errors.MacroflowError(f"init of new context {c} raised (the context is not "
-                                        f"used):\n{error}")
-    return ids
+            err = errors.ContextLost(c, eng.lost[c] + also)
+        else:
+            err = errors.MacroflowError(f"init of new context {c} raised (the context is not "
+                                        f"used){also}:\n{eng.joined[c][1]}")
+    else:
+        return ids
+    err.added = used  # type: ignore[attr-defined]
+    raise err
 
 
 def remove_context(cid: int, timeout: float = 60.0) -> None:
