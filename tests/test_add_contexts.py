@@ -138,6 +138,28 @@ def test_when_several_inits_raise_one_error_names_them_all_and_the_contexts_in_u
                       (4, "failed")]
 
 
+@mf.persistent
+class Placer:
+    def places(self, n):
+        return sorted({Where.create().here().result(10) for _ in range(n)})
+
+
+def test_other_contexts_place_nothing_on_a_context_whose_init_raised(run):
+    # (context 0 marked such a context unused only after it had told the
+    # others of the new contexts: they could place work there until its end
+    # reached them, and that work failed with ContextLost)
+    def main():
+        placer = Placer.create(on=1)
+        placer.places(2).result()
+        with pytest.raises(mf.MacroflowError):
+            mf.add_contexts(3, init=fails_on_even)  # contexts 2, 3 and 4
+        return placer.places(24).result()
+
+    places = run(main, contexts=2)
+    assert not {2, 4} & set(places), places
+    assert 3 in places, places
+
+
 @pytest.mark.parametrize("n, init, error, match, timeout", [
     (0, None, ValueError, "n must be a positive int; got 0", 60),
     ("2", None, TypeError, "n must be a positive int; got '2'", 60),
@@ -329,6 +351,30 @@ def test_a_context_whose_init_outlives_the_timeout_is_stopped_and_never_used(tra
     assert states == [(0, "running"), (1, "running"), (2, "lost")]
     assert places == [1]
     assert new == [3] and tag == "initialised-3"
+
+
+def exits_on_even(cid):
+    if cid % 2 == 0:
+        os._exit(3)
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_when_new_contexts_die_in_init_the_error_says_how_and_names_the_others(transport):
+    # (the other failed contexts and those in use were added to ``how``,
+    # which is said to be how that context ended)
+    def main():
+        with pytest.raises(mf.ContextLost) as err:
+            mf.add_contexts(3, init=exits_on_even)  # contexts 2, 3 and 4
+        e = err.value
+        places = {Where.create().here().result(timeout=20) for _ in range(8)}
+        return e.context, e.how, e.also, str(e), e.added, places
+
+    context, how, also, text, added, places = mf.run(main, contexts=2, transport=transport)
+    assert context == 2
+    assert "failed" not in how and "used" not in how, how
+    assert also == "; contexts [4] failed too (contexts [3] were added and are used)"
+    assert text == f"context 2 was lost: {how}{also}"
+    assert added == [3] and places == {1, 3}
 
 
 def test_an_init_that_cannot_be_pickled_is_refused_before_any_context_starts(run):

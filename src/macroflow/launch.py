@@ -819,7 +819,8 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             raised; its message names the others, and its ``added``
             attribute lists the new contexts that are in use.
         ContextLost: a new context died before it reported in (``added``
-            as above).
+            as above; its ``how`` says how that context ended, its ``also``
+            names the others).
         TimeoutError: a new context did not report in within ``timeout``
             seconds (its ``init`` had not returned): it counts as lost, no
             work is placed on it, and it is stopped (on ``local`` and
@@ -878,6 +879,14 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         eng.peer_lost(c, f"it did not report in within {timeout} s of mf.add_contexts (its "
                          f"init had not returned)" + ("; it was stopped" if c in stopped else ""),
                       describe=False)  # (the launcher would say only that it was killed)
+    # every failure is marked before the others hear of the new contexts
+    # (MEMBERS carries what is lost): a context whose init raised was
+    # otherwise left to their placement, and to this one's, until its end
+    # was seen, and served what they sent meanwhile
+    failed = [c for c in reported if c not in eng.joined or eng.joined[c][1] is not None]
+    for c in failed:
+        if c in eng.joined:
+            eng.lost.setdefault(c, "its init raised")  # no work goes there
     # every context may place work on the new ones now (those that reported in)
     members = (reported[-1] + 1 if reported else ids[0]) if late else eng.size
     # the new ones first: they learn which contexts left before they came
@@ -890,12 +899,6 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             except Exception:
                 pass
     eng.transport.flush()
-    # every failure is marked before one is raised (a second context whose
-    # init raised was otherwise left for placement until its end was seen)
-    failed = [c for c in reported if c not in eng.joined or eng.joined[c][1] is not None]
-    for c in failed:
-        if c in eng.joined:
-            eng.lost.setdefault(c, "its init raised")  # no work goes there
     used = [c for c in reported if c not in failed]
     in_use = f" (contexts {used} were added and are used)" if used else ""
     err: Exception
@@ -913,7 +916,7 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
         c = failed[0]
         also = (f"; contexts {failed[1:]} failed too" if len(failed) > 1 else "") + in_use
         if c not in eng.joined:
-            err = errors.ContextLost(c, eng.lost[c] + also)
+            err = errors.ContextLost(c, eng.lost[c], also=also)
         else:
             err = errors.MacroflowError(f"init of new context {c} raised (the context is not "
                                         f"used){also}:\n{eng.joined[c][1]}")

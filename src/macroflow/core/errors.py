@@ -25,22 +25,27 @@ class ContextLost(MacroflowError):
     """A context (a process) ended while something waited on it.
 
     ``context`` is the id of the lost context and ``how`` says how it ended
-    (an exit code, a signal, or a closed connection).
+    (an exit code, a signal, or a closed connection); ``also``, what the
+    call that raised it has to add (``mf.add_contexts``: which other new
+    contexts failed, which are used), is said after ``how``.
 
     Example:
         >>> import macroflow as mf
         >>> e = mf.ContextLost(3, "exit code 1")
         >>> e.context, e.how
         (3, 'exit code 1')
+        >>> str(mf.ContextLost(3, "exit code 1", also="; contexts [4] failed too"))
+        'context 3 was lost: exit code 1; contexts [4] failed too'
     """
 
-    def __init__(self, context: int, how: str):
+    def __init__(self, context: int, how: str, also: str = ""):
         super().__init__(context, how)
         self.context = context
         self.how = how
+        self.also = also
 
     def __str__(self) -> str:
-        return f"context {self.context} was lost: {self.how}"
+        return f"context {self.context} was lost: {self.how}{self.also}"
 
     def __reduce__(self) -> Any:
         # (its state too: the traceback it brought, its notes)
