@@ -485,6 +485,69 @@ def test_a_wait_cycle_through_a_wait_for_the_first_of_one_future_is_found(run, h
     assert "is queued behind PingAny.start (context 1)" in text, text
 
 
+@mf.persistent
+class Either:
+    """Waits for the first of a call to itself and a call that leads back to it."""
+
+    def setup(self, me, other):
+        self.me, self.other = me, other
+
+    def start(self, how, seconds=0.0):
+        fs = [self.me.reply(), self.other.call_back(self.me, seconds)]
+        if how == "first completed":
+            done, _ = mf.wait(fs, return_when=mf.FIRST_COMPLETED)
+            return done[0].result()
+        return next(iter(mf.as_completed(fs))).result()
+
+    def call_back(self, target, seconds):
+        if seconds:
+            time.sleep(seconds)  # computes: it does not wait on target
+            return "slept"
+        return target.reply().result()
+
+    def reply(self):
+        return "reply"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["first completed", "as completed"])
+def test_a_wait_for_any_of_several_futures_each_leading_back_to_it_is_a_cycle(run, how):
+    # (a wait for any of several was never probed: it waited for ever)
+    def main():
+        a, b = Either.create(on=1), Either.create(on=2)
+        mf.gather([a.setup(a, b), b.setup(b, a)])
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError) as e:
+            a.start(how).result(timeout=20)
+        took = time.monotonic() - t
+        return (took, str(e.value), e.value.cycles, a.reply().result(timeout=10),
+                b.reply().result(timeout=10))
+
+    took, text, cycles, ra, rb = run(main, contexts=3)
+    assert took < 2.0
+    assert (ra, rb) == ("reply", "reply")
+    assert text == (
+        "wait cycle: Either.start (context 1) waits for any of 2 futures, and each leads back "
+        "to it: Either.reply (context 1), which is queued behind Either.start (context 1); "
+        "Either.call_back (context 2), which waits for Either.reply (context 1), which is "
+        "queued behind Either.start (context 1); this wait fails so that the others can go on")
+    assert cycles == [[("Either.start", 1), ("Either.reply", 1)],
+                      [("Either.start", 1), ("Either.call_back", 2), ("Either.reply", 1)]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["first completed", "as completed"])
+def test_a_wait_for_any_of_several_with_one_that_can_end_is_not_a_cycle(run, how):
+    # one branch leads back to the waiter, the other computes for longer
+    # than a probe takes to go round (0.5 s): the wait ends with it
+    def main():
+        a, b = Either.create(on=1), Either.create(on=2)
+        mf.gather([a.setup(a, b), b.setup(b, a)])
+        return a.start(how, 1.5).result(timeout=20), a.reply().result(timeout=10)
+
+    assert run(main, contexts=3) == ("slept", "reply")
+
+
 @pytest.mark.timeout(60)
 def test_an_object_calling_a_regular_object_that_calls_it_back_is_a_cycle(run):
     def main():

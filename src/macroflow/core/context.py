@@ -122,6 +122,7 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
+ANY_PROBE_MAX = 8.0  # at most this long between rounds of probes of a wait for any of several
 GLANCE_MIN_WAIT = 1e-3  # a wait with a shorter timeout parks at once (see _glance_for)
 POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
 POLLER_PERIOD = 50e-6  # ... then at most this long at a time while it has pollers
@@ -155,6 +156,27 @@ class Arc:
 
     def __reduce__(self):
         return (Arc, (self.fid,))
+
+
+class AnyOf:
+    """What a method thread waits for when it waits for any of several
+    futures (``mf.wait(return_when=...)``, ``mf.as_completed``), for the
+    probes for wait cycles: each round probes every branch, and the wait is
+    a deadlock when every branch of one round has come back to it.
+
+    Example:
+        >>> w = AnyOf(["f1", "f2"])
+        >>> w.round, w.found
+        (0, {})
+    """
+
+    __slots__ = ("fs", "round", "found", "next")
+
+    def __init__(self, fs: List[Any]):
+        self.fs = fs
+        self.round = 0
+        self.found: Dict[int, list] = {}  # branch -> the path that came back, this round
+        self.next = 0.0  # (time.monotonic) when the next round is due
 
 
 class Call:
@@ -916,8 +938,9 @@ class Engine:
         What ``mf.wait(return_when=...)`` and ``mf.as_completed`` wait with.
         A method that waits only for calls that can never start (to its own
         object) is refused, as ``result()`` refuses one; the engine's probes
-        for wait cycles between contexts follow a wait with one future still
-        to come (not a wait for any of several: one of them may end it).
+        for wait cycles between contexts follow each future still to come,
+        and the wait fails with :class:`DeadlockError` when each leads back
+        to it (one that can end may end it).
         """
         if self.user and self.serving != _get_ident():
             return self._from_user(self.wait_arrival, arrivals, timeout, fs)
@@ -952,23 +975,19 @@ class Engine:
             if timeout is not None:
                 eng.add_timer(timeout, waiter)
             # a wait for one future still to come is that future's wait, for
-            # the probes for wait cycles (as result()'s); for any of several,
-            # one that can end ends it, and it is not probed
-            one = None
-            if call is not None:
-                for f in fs:
-                    if f._state != FINISHED:
-                        if one is not None:
-                            one = None
-                            break
-                        one = f
-            if one is not None:
-                eng._block(call, one, waiter)
+            # the probes for wait cycles (as result()'s); a wait for any of
+            # several is probed along each, and is a cycle only when each
+            # leads back to it (one that can end ends it)
+            pending = [f for f in fs if f._state != FINISHED] if call is not None else []
+            if len(pending) == 1:
+                eng._block(call, pending[0], waiter)
+            elif pending:
+                eng._block(call, AnyOf(pending), waiter)
             try:
                 r = eng.root.switch(PARKED)
             finally:
                 arrivals.waiter = None
-                if one is not None:
+                if pending:
                     eng._unblock(call)
             if type(r) is errors.DeadlockError:
                 raise r
@@ -982,10 +1001,14 @@ class Engine:
         finally:
             self.timed_wait = timed
 
-    def _block(self, call: Call, f: Future, waiter: Waiter) -> None:
-        """``call``'s thread waits for ``f``: the probes for wait cycles follow
-        it from here (wait_future does the same inline: its path is hot)."""
-        call.waiting = f
+    def _block(self, call: Call, f: Any, waiter: Waiter) -> None:
+        """``call``'s thread waits for ``f`` (a Future, or an :class:`AnyOf`):
+        the probes for wait cycles follow it from here (wait_future does the
+        same inline: its path is hot). A wait for any of several is not
+        followed by others' probes (``call.waiting`` stays None): one that
+        reaches it cannot tell whether another branch will end it."""
+        if type(f) is Future:
+            call.waiting = f
         now = time.monotonic()
         if not self.blocked:
             self.next_probe = now + PROBE_AFTER
@@ -2235,6 +2258,22 @@ class Engine:
         self.next_probe = now + PROBE_AFTER
         for fid, (call, f, _, since) in list(self.blocked.items()):
             if force or now - since >= PROBE_AFTER:
+                if type(f) is AnyOf:
+                    if not force and now < f.next:
+                        continue
+                    # a round sends a probe per future: the rounds of a long
+                    # wait for any of many (a method's as_completed) grow
+                    # apart, up to ANY_PROBE_MAX seconds
+                    f.next = now + min(ANY_PROBE_MAX, PROBE_AFTER * 2 ** f.round)
+                    # a new round: what came back before may have changed
+                    # since (a wait on a branch timed out), so it is not kept
+                    f.round += 1
+                    f.found = {}
+                    label = self._call_label(call)
+                    for i, g in enumerate(f.fs):
+                        self._probe(fid, g._fid, g._home,
+                                    [(fid, label, self.id, "waits for", i, f.round)])
+                    continue
                 path = [(fid, self._call_label(call), self.id, "waits for")]
                 self._probe(fid, f._fid, f._home, path)
 
@@ -2313,8 +2352,11 @@ class Engine:
         # Every waiter of a cycle probes, and every probe that comes back finds
         # the same cycle: only the waiter with the highest id fails, so exactly
         # one does and the others go on once it has.
-        waiters = [p[0] for p in path if p[3] == "waits for"]
         entry = self.blocked.get(init)
+        if entry is not None and type(entry[1]) is AnyOf:
+            self._any_cycle(init, entry, path)
+            return
+        waiters = [p[0] for p in path if p[3] == "waits for"]
         if entry is None or init != max(waiters):
             return
         hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{path[0][1]} (context {path[0][2]})"]
@@ -2324,6 +2366,33 @@ class Engine:
         err = errors.DeadlockError(f"wait cycle: {text}; this wait fails so that the others can "
                                    f"go on")
         err.cycle = [(p[1], p[2]) for p in path]
+        entry[2].wake(err)
+
+    def _any_cycle(self, init, entry: tuple, path: list) -> None:
+        # A probe of a wait for any of several came back. Others' probes stop
+        # at such a wait, so only its own find a cycle through it, and it
+        # alone fails: once every branch of this round has come back.
+        w: AnyOf = entry[1]
+        first = path[0]
+        if len(first) < 6 or first[5] != w.round:
+            return  # an earlier round's
+        w.found[first[4]] = path
+        if len(w.found) < len(w.fs):
+            return
+        texts = []
+        for i in sorted(w.found):
+            p = w.found[i]
+            hops = [f"{q[1]} (context {q[2]})" for q in p] + [f"{p[0][1]} (context {p[0][2]})"]
+            # the branch from the future waited for: "X.b (context 1), which
+            # is queued behind X.a (context 1)"
+            texts.append(hops[1] + "".join(f", which {p[k][3]} {hops[k + 1]}"
+                                           for k in range(1, len(p))))
+        err = errors.DeadlockError(
+            f"wait cycle: {first[1]} (context {first[2]}) waits for any of {len(w.fs)} futures, "
+            f"and each leads back to it: " + "; ".join(texts)
+            + "; this wait fails so that the others can go on")
+        err.cycle = [(q[1], q[2]) for q in w.found[min(w.found)]]
+        err.cycles = [[(q[1], q[2]) for q in w.found[i]] for i in sorted(w.found)]
         entry[2].wake(err)
 
     # ------------------------------------------------------------------ lost peers
