@@ -290,6 +290,63 @@ def test_a_class_the_receiver_cannot_rebuild_fails_the_call_not_the_context(run,
     assert out["after"] == 5
 
 
+LATE_MODULE = """
+import macroflow as mf
+
+@mf.regular
+class LateRegular:
+    def take(self, x):
+        return x
+
+@mf.persistent
+class LatePersistent:
+    def take(self, x):
+        return x
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_class_from_a_module_the_receiver_cannot_import_fails_each_call(run, transport,
+                                                                          tmp_path):
+    # (a regular call's target was cut to three items, and the receiving
+    # context ended with an internal error; later calls name the class by
+    # its number, and fail the same way)
+    if transport == "inproc":
+        pytest.skip("one process: nothing is unpickled")
+    import importlib
+    import os
+    name = f"late_module_{os.getpid()}_{transport}"  # (a fresh one for each transport)
+
+    def main():
+        (tmp_path / f"{name}.py").write_text(LATE_MODULE)
+        sys.path.insert(0, str(tmp_path))
+        try:
+            importlib.invalidate_caches()
+            late = importlib.import_module(name)  # after the contexts started...
+        finally:
+            sys.path.remove(str(tmp_path))
+        (tmp_path / f"{name}.py").unlink()  # ...which cannot import it
+
+        def outcome(f):
+            try:
+                return f.result(timeout=30)
+            except (mf.CallError, mf.ObjectDestroyed) as e:
+                return f"{type(e).__name__}: {e}"
+
+        r = late.LateRegular.create(on=1)
+        out = [outcome(r.take(i)) for i in range(3)]
+        out.append(outcome(late.LatePersistent.create(on=1).take(1)))
+        out.append(Keeper.create(on=1).take(5).result(timeout=30))  # it serves on
+        return out
+
+    out = run(main, contexts=2)
+    why = f"ModuleNotFoundError: No module named '{name}'"
+    assert out[:3] == [f"CallError: context 1 could not unpickle the class or the arguments "
+                       f"of take(), sent by context 0: {why}"] * 3
+    assert out[3].startswith("ObjectDestroyed: ") and why in out[3], out[3]
+    assert out[4] == 5
+
+
 def test_plain_arrays_travel_as_bytes_dtype_and_shape():
     # a plain dtype is named, not pickled as an object: the message is smaller
     # than numpy's own pickle; every array comes back equal, writable as sent

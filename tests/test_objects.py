@@ -1784,6 +1784,45 @@ def test_a_call_whose_arguments_cannot_be_sent_leaves_its_constructor_arguments_
     assert run(main, contexts=2) == (4097.0, 0)
 
 
+@mf.regular
+class _ARegularClassWhoseNameIsLongEnoughThatItsReferenceInACallIsEasilySeenInTheBytesSent:
+    def where(self, x):
+        return mf.context_id(), x
+
+
+@mf.regular
+class _AnotherRegular:
+    def where(self, x):
+        return mf.context_id(), -x
+
+
+def test_a_regular_class_goes_once_to_each_context_then_by_number(run):
+    # (each call named its class: a module lookup at both ends, and the
+    # runtime's pickler rather than the C one)
+    long = _ARegularClassWhoseNameIsLongEnoughThatItsReferenceInACallIsEasilySeenInTheBytesSent
+
+    def main():
+        def sent(call):
+            before = mf.stats()[0]["bytes_sent"]
+            value = call().result(30)
+            return value, mf.stats()[0]["bytes_sent"] - before
+
+        a1, a2, b1 = long.create(on=1), long.create(on=2), _AnotherRegular.create(on=1)
+        out = [sent(lambda: a1.where(0)), sent(lambda: a1.where(1)),
+               sent(lambda: b1.where(2)), sent(lambda: b1.where(3)),
+               sent(lambda: a2.where(4)), sent(lambda: a2.where(5))]
+        mixed = mf.gather([h.where(i) for i in range(30) for h in (a1, b1, a2)], timeout=30)
+        return out, mixed
+
+    out, mixed = run(main, contexts=3)
+    assert [v for v, _ in out] == [(1, 0), (1, 1), (1, -2), (1, -3), (2, 4), (2, 5)]
+    n = [b for _, b in out]
+    name = len(long.__qualname__)
+    assert n[0] - n[1] >= name and n[4] - n[5] >= name, n  # the name went once to each
+    assert n[1] < n[2] and n[3] <= n[1], n  # the other class went once too
+    assert mixed == [(c, s * i) for i in range(30) for c, s in ((1, 1), (1, -1), (2, 1))]
+
+
 @mf.persistent
 class _Relay:
     def use(self, h):

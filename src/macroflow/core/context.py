@@ -637,7 +637,7 @@ class Engine:
                 data = bufs = None
             # arguments of plain values only: the C pickler, as for a plain result
             # (the target is a model's tuple of ids, or a class the encoder must see)
-            elif plain and _plain_ids(target):
+            elif plain and _plain_target(sent):
                 data, bufs = _pdumps(msg, 5), None
             else:
                 data, bufs = _encode(msg)
@@ -1281,6 +1281,13 @@ class Engine:
                   f"context {src}: {e!r}", file=sys.stderr)
             return None
         _, fid, kind, target, method, _args, _kw, _arcs, route, caller = msg
+        number = None
+        if kind in self.shrinks and type(target) is tuple and target \
+                and type(target[0]) is tuple and len(target[0]) == 2:
+            # a class sent with the number its later calls name it by (see
+            # CallKind.outgoing): what stands for it here is kept under it
+            number, cls = target[0]
+            target = (cls,) + target[1:]
         what = f"the arguments of {method}()" if method else "the constructor's arguments"
         undecoded = [x is marshal.StandIn or isinstance(x, marshal.StandIn)
                      for x in (target if type(target) is tuple else ())]
@@ -1288,15 +1295,15 @@ class Engine:
             what = f"the class or {what}"  # (one message: which part failed is not known)
         err = errors.CallError(f"context {self.id} could not unpickle {what}, sent by "
                                f"context {src}: {type(e).__name__}: {e}")
-        if any(undecoded) and target[0] is marshal.StandIn:
-            # a class this process cannot rebuild (a stateless object's): one
-            # whose methods fail with the reason
-            target = (_Unreadable.of(err), (), {})
-        elif any(undecoded):
-            # a class rebuilt by a function that could not be (a class sent
-            # by value, by another version of cloudpickle, say), in a
-            # persistent object's target or a regular one's: the same
+        if any(undecoded):
+            # a class this process cannot import or rebuild (sent by value,
+            # by another version of cloudpickle, say), in a persistent
+            # object's target or a regular one's: one whose methods fail
+            # with the reason, the target's shape kept (a regular one's was
+            # cut to three items, which ended the context)
             target = tuple(_Unreadable.of(err) if u else x for x, u in zip(target, undecoded))
+        if number is not None:
+            target = ((number, target[0]),) + target[1:]
         return self.failing((CALL, fid, kind, target, method, None, None, None, route, caller),
                             err)
 
@@ -3071,6 +3078,9 @@ class _Unreadable:
     error: BaseException
     __mf_new__ = object.__new__
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # (made with a regular call's constructor arguments: its methods fail)
+
     @classmethod
     def of(cls, error: BaseException) -> type:
         return type("NotDecoded", (cls,), {"error": error})
@@ -3278,22 +3288,34 @@ def _shareable(target) -> bool:
     return True
 
 
-def _plain_ids(target) -> bool:
-    """Whether a call's target is a tuple of tuples of ints (an object's id,
-    say), which the C pickler writes as the runtime's encoder would.
+def _plain_target(target) -> bool:
+    """Whether a call's target, as sent, is a tuple of plain values, tuples
+    of them and dicts of them by name (an object's id; a regular call's
+    class number and constructor arguments), which the C pickler writes as
+    the runtime's encoder would.
 
     Example:
-        >>> _plain_ids(((0, 3),)), _plain_ids((int, (), {})), _plain_ids("stats")
-        (True, False, False)
+        >>> _plain_target(((0, 3),)), _plain_target((2, (1, "a"), {}, None, 0))
+        (True, True)
+        >>> _plain_target((int, (), {})), _plain_target("stats"), _plain_target((1, [2]))
+        (False, False, False)
     """
     if type(target) is not tuple:
         return False
     for t in target:
-        if type(t) is not tuple:
+        k = type(t)
+        if k in _PLAIN:
+            continue
+        if k is tuple:
+            for x in t:
+                if type(x) not in _PLAIN:
+                    return False
+        elif k is dict:
+            for name, x in t.items():
+                if type(name) is not str or type(x) not in _PLAIN:
+                    return False
+        else:
             return False
-        for x in t:
-            if type(x) is not int:
-                return False
     return True
 
 

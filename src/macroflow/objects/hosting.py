@@ -34,6 +34,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from ..core import errors, marshal
 from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, RUNTIME_FILES, Call,
                             CallKind, Engine, Model, look_again, register_model)
+from ..core.context import _Unreadable as Unreadable
 from ..core.future import CoroutineType, run_coroutine, site_label
 from ..core.threads import INTERRUPTS, getcurrent
 
@@ -141,6 +142,12 @@ class ObjectHost(Model):
         self.ctor_sent: Dict[int, "collections.OrderedDict[bytes, int]"] = {}  # key -> size
         self.ctor_sent_bytes: Dict[int, int] = {}  # the sizes of those, by context
         self.ctor_held: Dict[int, Dict[bytes, Tuple[tuple, dict, int]]] = {}
+        # A regular call's class goes once to each context with a number
+        # that its later calls send instead (see RegularCalls.outgoing): a
+        # class named in a pickle costs a module lookup at each end, and
+        # keeps the call from the C pickler (about 4 us of a null call).
+        self.cls_sent: Dict[int, Dict[type, int]] = {}  # by context: class -> its number
+        self.cls_held: Dict[int, Dict[int, type]] = {}  # by sender: number -> class
         calls = ObjectCalls(self)
         self.kinds = {PERSISTENT: calls, CREATE: calls, REGULAR: RegularCalls(self)}
 
@@ -202,6 +209,8 @@ class ObjectHost(Model):
         return started
 
     def lost(self, peer: int) -> None:
+        self.cls_sent.pop(peer, None)
+        self.cls_held.pop(peer, None)
         self.ctor_sent.pop(peer, None)
         self.ctor_sent_bytes.pop(peer, None)
         self.ctor_held.pop(peer, None)
@@ -629,6 +638,23 @@ class ObjectCalls(_HostedKind):
             self.host._pump(obj)
 
 
+def _unknown_class(number: int, src: int, here: int) -> type:
+    """What stands for a class number that ``src`` never sent here: a
+    class whose construction fails the call, saying so.
+
+    Example:
+        >>> cls = _unknown_class(3, 0, 1)
+        >>> try:
+        ...     cls.__mf_new__(cls).null()
+        ... except errors.CallError as e:
+        ...     print(e)
+        context 1 does not know class number 3 of context 0: the call that sent it never came
+    """
+    return Unreadable.of(errors.CallError(
+        f"context {here} does not know class number {number} of context {src}: the call "
+        f"that sent it never came"))
+
+
 class RegularCalls(_HostedKind):
     """REGULAR calls: any instance serves; placement may pass a call on.
 
@@ -701,17 +727,29 @@ class RegularCalls(_HostedKind):
 
     def outgoing(self, target: tuple, dest: int) -> tuple:
         """What goes to ``dest`` for a call's ``target``
-        ``(cls, args, kwargs, key, size)``: large constructor arguments go
-        once to each context, then only their key."""
+        ``(cls, args, kwargs, key, size)``: the class goes once to each
+        context, as ``(number, cls)``, then only its number; large
+        constructor arguments go once, then only their key."""
+        cls = target[0]
+        ids = self.host.cls_sent.get(dest)
+        if ids is None:
+            ids = self.host.cls_sent[dest] = {}
+        try:
+            head = ids.get(cls)
+            if head is None:
+                ids[cls] = len(ids)  # (unsent takes back only the last one given)
+                head = (len(ids) - 1, cls)
+        except TypeError:  # a class whose metaclass makes it unhashable: as it is
+            head = cls
         key = target[3]
         if target[4] < CTOR_ONCE or key is None:
-            return target
+            return (head,) + target[1:]
         sent = self.host.ctor_sent.get(dest)
         if sent is None:
             sent = self.host.ctor_sent[dest] = collections.OrderedDict()
         if key in sent:
             sent.move_to_end(key)
-            return (target[0], key)
+            return (head, key)
         sent[key] = target[4]
         held = self.host.ctor_sent_bytes[dest] = self.host.ctor_sent_bytes.get(dest, 0) + target[4]
         forget = []
@@ -720,11 +758,16 @@ class RegularCalls(_HostedKind):
             forget.append(k)
             held -= n
         self.host.ctor_sent_bytes[dest] = held
-        return target + (tuple(forget),)
+        return (head,) + target[1:] + (tuple(forget),)
 
     def unsent(self, sent: tuple, dest: int) -> None:
         """``outgoing``'s ``sent`` did not go (a method argument could not be
         pickled): ``dest`` does not hold what it would have told it to."""
+        head = sent[0]
+        if type(head) is tuple:  # the class and its number: given again next time
+            ids = self.host.cls_sent.get(dest)
+            if ids is not None and ids.get(head[1]) == head[0] == len(ids) - 1:
+                del ids[head[1]]
         if len(sent) == 6:
             mine = self.host.ctor_sent.get(dest)
             if mine is not None:
@@ -739,9 +782,21 @@ class RegularCalls(_HostedKind):
         """A CALL ``msg`` as it came from ``src``, with its target made whole
         (see :meth:`outgoing`): what is passed on or served from here on."""
         target = msg[3]
+        head = target[0]
+        if type(head) is int:
+            cls = self.host.cls_held.get(src, {}).get(head)
+            if cls is None:  # (its first call never came: nothing sends it so)
+                cls = _unknown_class(head, src, self.eng.id)
+            target = (cls,) + target[1:]
+        elif type(head) is tuple:  # a class sent with the number its later calls name it by
+            held = self.host.cls_held.get(src)
+            if held is None:
+                held = self.host.cls_held[src] = {}
+            held[head[0]] = head[1]
+            target = (head[1],) + target[1:]
         n = len(target)
         if n == 5:
-            return msg
+            return msg[:3] + (target,) + msg[4:]
         held = self.host.ctor_held
         if n == 6:  # arguments to keep: src sends only their key from now on
             cls, cargs, ckw, key, size, forget = target
