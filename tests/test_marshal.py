@@ -478,15 +478,23 @@ def test_a_class_of_main_under_another_name_travels_on_every_transport(tmp_path,
 
 
 @pytest.mark.timeout(60)
-def test_a_result_the_receiver_cannot_unpickle_names_that_context(run):
+def test_a_result_the_receiver_cannot_unpickle_names_the_call_and_that_context(run):
+    # (it said only "a value could not be unpickled on context 0")
     def main():
-        try:
-            Keeper.create(on=1).make().result(timeout=30)
-        except mf.CallError as e:
-            return str(e)
+        said = []
+        k = Keeper.create(on=1)
+        for f in (lambda: k.make(), lambda: Keeper.create(on=2).take(k.make())):
+            try:
+                f().result(timeout=30)
+            except mf.CallError as e:
+                said.append(str(e))
+        return said
 
-    said = run(main, contexts=2)
-    assert said.startswith("a value could not be unpickled on context 0: ValueError"), said
+    said = run(main, contexts=3)
+    assert said[0].startswith("the result of Keeper.make (computed on context 1) could not "
+                              "be unpickled on context 0: ValueError"), said
+    assert said[1].startswith("an argument of Keeper.take could not be unpickled on "
+                              "context 2: ValueError"), said
 
 
 def test_a_scripts_classes_go_by_value_to_receivers_that_did_not_run_it():

@@ -789,6 +789,18 @@ def test_done_callback(run):
     assert run(main) == [144, -1]
 
 
+def test_a_done_callback_that_is_not_callable_is_refused_where_it_is_added(run):
+    # (it was taken, and failed inside the engine when the value came)
+    def main():
+        f = Math().square(3)
+        with pytest.raises(TypeError, match="add_done_callback takes a function of the "
+                                            "future; got int 3"):
+            f.add_done_callback(3)
+        return f.result(30), f._callbacks
+
+    assert run(main) == (9, [])
+
+
 def test_strict_call_sites_get_values_unasked_but_arcs_stay_lazy():
     def main():
         maker = Math.create(on=1)
@@ -1821,6 +1833,46 @@ def test_a_regular_class_goes_once_to_each_context_then_by_number(run):
     assert n[0] - n[1] >= name and n[4] - n[5] >= name, n  # the name went once to each
     assert n[1] < n[2] and n[3] <= n[1], n  # the other class went once too
     assert mixed == [(c, s * i) for i in range(30) for c, s in ((1, 1), (1, -1), (2, 1))]
+
+
+@mf.persistent
+class _Grid:
+    def __init__(self, n):
+        self.a = np.zeros(n)
+
+    def snapshot(self):
+        return self.a
+
+    def step(self):
+        self.a += 1
+
+    def answer_then_advance(self):
+        mf.rtf(self.a)
+        self.a += 100
+
+    def first(self, a):
+        return float(a[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [1000, 100_000])  # 8 KB in the message; 800 KB beside it
+def test_a_result_is_the_value_when_the_method_returned_whatever_its_size(run, n):
+    # (an array of 32 KiB or more was kept as a view of the object's own:
+    # a later call that changed it changed the value its caller got)
+    def main():
+        g = _Grid.create(n, on=1)
+        snap = g.snapshot()
+        g.step().result(30)
+        passed = g.snapshot()
+        g.step()
+        used = _Grid.create(1, on=2).first(passed)  # its value, fetched by another context
+        g.step()
+        early = g.answer_then_advance()
+        g.step().result(30)
+        return (snap.result(30)[0], used.result(30), early.result(30)[0],
+                g.snapshot().result(30)[0])
+
+    assert run(main, contexts=3) == (0.0, 1.0, 3.0, 104.0)
 
 
 @mf.persistent

@@ -273,3 +273,30 @@ def test_a_timeout_given_as_a_fraction_is_said_as_a_number(run):
         return errors, held.result(timeout=30)
 
     assert run(main, contexts=2) == (["TimeoutError", "TimeoutError"], 1)
+
+
+POLLS_MAX = 100_000  # a poll that never looks would spin for ever: bounded here
+
+
+def test_a_loop_of_zero_timeout_polls_gets_the_values(run):
+    # (a wait of 0 s returned before the engine looked at all: a loop of
+    # f.result(timeout=0) or mf.wait(fs, timeout=0) never got anything)
+    def main():
+        f = Quick.create(on=1).echo(42)
+        polls = 0
+        while polls < POLLS_MAX:
+            try:
+                got = f.result(timeout=0)
+                break
+            except mf.TimeoutError:
+                polls += 1
+        else:
+            got = None
+        q = Quick.create(on=1)
+        fs = [q.echo(i) for i in range(4)]
+        waits = 0
+        while waits < POLLS_MAX and mf.wait(fs, timeout=0)[1]:
+            waits += 1
+        return got, polls < POLLS_MAX, [f.result() for f in fs], waits < POLLS_MAX
+
+    assert run(main, contexts=2) == (42, True, [0, 1, 2, 3], True)

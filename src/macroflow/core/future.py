@@ -173,6 +173,11 @@ class Future:
             ...     f.result(), got
             (36, [36])
         """
+        if not callable(fn):
+            # (else a TypeError from inside the engine when the value came,
+            # naming neither this future nor the caller's line)
+            raise TypeError(f"add_done_callback takes a function of the future; got "
+                            f"{type(fn).__name__} {fn!r:.60}")
         if self._state == FINISHED:
             fn(self)
             return

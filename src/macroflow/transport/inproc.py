@@ -123,11 +123,17 @@ class World:
             self._wake_yielded()  # ready threads: whoever drives next resumes them
 
     def _run_until(self, pred, deadline: Optional[float]) -> bool:
+        first = True
         while not pred():
             # every context shares this thread: a call that computes delays the
             # deadline by its length, but no new one starts once it has passed
-            if deadline is not None and time.monotonic() >= deadline:
+            # (a wait of 0 s, a poll, still serves what is queued, once: it
+            # never got anything)
+            if deadline is not None and time.monotonic() >= deadline and not first:
                 return pred()
+            stop = None if first and deadline is not None and time.monotonic() >= deadline \
+                else deadline
+            first = False
             progressed = False
             now = time.monotonic()
             for eng in self.engines:
@@ -135,7 +141,7 @@ class World:
                 # a timer that is due gets its turn too: a thread may poll forever
                 if eng.busy() or (eng.timers  # type: ignore[attr-defined]
                                   and eng.timers[0][0] <= now):  # type: ignore[attr-defined]
-                    eng.stop_at = deadline  # type: ignore[attr-defined]
+                    eng.stop_at = stop  # type: ignore[attr-defined]
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     except KeyboardInterrupt as e:
