@@ -1480,7 +1480,7 @@ class Engine:
         if ok:
             try:
                 data, bufs = _encode(value)
-                return True, data, (_detached(bufs) if bufs else bufs)
+                return True, data, bufs
             except Exception as e:  # a __reduce__ may raise anything
                 shown = value
                 if call is not None:
@@ -1600,6 +1600,8 @@ class Engine:
                     self.send_value(dest, label, True, data, [])
             return
         ok, data, bufs = self._pickle_value(ok, value, call)
+        if bufs:
+            bufs = _detached(bufs)  # (kept here until asked for: see _detached)
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
@@ -2393,10 +2395,7 @@ class Engine:
         waiters = [p[0] for p in path if p[3] == "waits for"]
         if entry is None or init != max(waiters):
             return
-        hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{path[0][1]} (context {path[0][2]})"]
-        text = hops[0]
-        for i, p in enumerate(path):
-            text += f"{', which' if i else ''} {p[3]} {hops[i + 1]}"
+        text = _cycle_text(path)
         err = errors.DeadlockError(f"wait cycle: {text}; this wait fails so that the others can "
                                    f"go on")
         err.cycle = [(p[1], p[2]) for p in path]
@@ -2413,14 +2412,9 @@ class Engine:
         w.found[first[4]] = path
         if len(w.found) < len(w.fs):
             return
-        texts = []
-        for i in sorted(w.found):
-            p = w.found[i]
-            hops = [f"{q[1]} (context {q[2]})" for q in p] + [f"{p[0][1]} (context {p[0][2]})"]
-            # the branch from the future waited for: "X.b (context 1), which
-            # is queued behind X.a (context 1)"
-            texts.append(hops[1] + "".join(f", which {p[k][3]} {hops[k + 1]}"
-                                           for k in range(1, len(p))))
+        # each branch from the future waited for: "X.b (context 1), which is
+        # queued behind X.a (context 1)"
+        texts = [_cycle_text(w.found[i], 1) for i in sorted(w.found)]
         err = errors.DeadlockError(
             f"wait cycle: {first[1]} (context {first[2]}) waits for any of {len(w.fs)} futures, "
             f"and each leads back to it: " + "; ".join(texts)
@@ -3271,6 +3265,22 @@ def _rsr_msg(bufs: List[Any]) -> tuple:
     if op == RSR_NOW:
         return (RSR_NOW, known[0], known[1], args)
     return (op, known[0], known[1], args, _RSR_THREADS[code])
+
+
+def _cycle_text(path: list, start: int = 0) -> str:
+    """A wait cycle's probe path in words, from its hop ``start``, back to
+    its first.
+
+    Example:
+        >>> path = [((0, 1), "A.start", 1, "waits for"), ((0, 2), "B.bounce", 2, "waits for")]
+        >>> _cycle_text(path)
+        'A.start (context 1) waits for B.bounce (context 2), which waits for A.start (context 1)'
+        >>> _cycle_text(path, 1)
+        'B.bounce (context 2), which waits for A.start (context 1)'
+    """
+    hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{path[0][1]} (context {path[0][2]})"]
+    return hops[start] + "".join(f"{', which' if i else ''} {path[i][3]} {hops[i + 1]}"
+                                 for i in range(start, len(path)))
 
 
 def _detached(bufs: List[Any]) -> List[Any]:

@@ -737,8 +737,8 @@ class RegularCalls(_HostedKind):
         try:
             head = ids.get(cls)
             if head is None:
-                ids[cls] = len(ids)  # (unsent takes back only the last one given)
-                head = (len(ids) - 1, cls)
+                n = ids[cls] = len(ids)  # (unsent takes back only the last one given)
+                head = (n, cls)
         except TypeError:  # a class whose metaclass makes it unhashable: as it is
             head = cls
         key = target[3]
@@ -796,7 +796,7 @@ class RegularCalls(_HostedKind):
             target = (head[1],) + target[1:]
         n = len(target)
         if n == 5:
-            return msg[:3] + (target,) + msg[4:]
+            return msg if target is msg[3] else msg[:3] + (target,) + msg[4:]
         held = self.host.ctor_held
         if n == 6:  # arguments to keep: src sends only their key from now on
             cls, cargs, ckw, key, size, forget = target

@@ -123,17 +123,16 @@ class World:
             self._wake_yielded()  # ready threads: whoever drives next resumes them
 
     def _run_until(self, pred, deadline: Optional[float]) -> bool:
-        first = True
+        polled = False
         while not pred():
             # every context shares this thread: a call that computes delays the
             # deadline by its length, but no new one starts once it has passed
-            # (a wait of 0 s, a poll, still serves what is queued, once: it
-            # never got anything)
-            if deadline is not None and time.monotonic() >= deadline and not first:
-                return pred()
-            stop = None if first and deadline is not None and time.monotonic() >= deadline \
-                else deadline
-            first = False
+            stop = deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                if polled:
+                    return pred()
+                stop = None  # a wait of 0 s (a poll) serves what is queued, once
+            polled = True
             progressed = False
             now = time.monotonic()
             for eng in self.engines:
