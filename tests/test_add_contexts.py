@@ -392,3 +392,20 @@ def test_an_init_that_cannot_be_pickled_is_refused_before_any_context_starts(run
         return mf.num_contexts()
 
     assert run(main, contexts=2) == 2
+
+
+def test_a_context_whose_init_raised_may_end_before_its_report_is_read(run):
+    # (on tcp its end could be seen first: the report that came after it
+    # announced a context that was gone, and add_contexts raised ValueError
+    # from the transport instead of the init's error)
+    def main():
+        errors = []
+        for _ in range(8):
+            with pytest.raises(mf.MacroflowError) as err:
+                mf.add_contexts(2, init=fails_on_even)
+            errors.append(type(err.value).__name__)
+        return errors, Placer.create(on=1).places(40).result()
+
+    errors, places = run(main, contexts=2)
+    assert set(errors) <= {"MacroflowError", "ContextLost"}, errors
+    assert not {2, 4, 6, 8, 10, 12, 14, 16} & set(places), places

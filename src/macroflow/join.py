@@ -330,6 +330,11 @@ class TcpLauncher(ForkLauncher):
         eng = self.engine
         assert eng is not None
         info, error = eng.joined[ctx]
+        if ctx in eng.lost:
+            # its end was seen before its report was read (an init that raised
+            # ends the context at once): what it said stays in eng.joined for
+            # add_contexts' error, but no one is to learn where a gone context was
+            return
         protocols = tuple(info.protocols)
         self.directory[ctx] = protocols
         eng.grow(ctx + 1)

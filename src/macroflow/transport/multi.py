@@ -162,7 +162,9 @@ class MultiTransport(Transport):
         for p, addr in self.directory[ctx]:
             m = self.byname.get(p)
             learn = getattr(m, "learn", None) or getattr(m, "add_peer", None)
-            if learn is not None:
+            # news of a context this module has already lost comes late (it
+            # was sent before the end was seen): there is nothing to reach
+            if learn is not None and ctx not in getattr(m, "gone", ()):
                 learn(ctx, addr)
 
     def announce(self, dest: int, ctx: int, protocols: Sequence[Tuple[str, str]]) -> None:
