@@ -1875,6 +1875,99 @@ def test_a_result_is_the_value_when_the_method_returned_whatever_its_size(run, n
     assert run(main, contexts=3) == (0.0, 1.0, 3.0, 104.0)
 
 
+#: one array per context process, shared by the objects there (a module global)
+_SHARED = {}
+
+
+@mf.persistent
+class _Holder:
+    def __init__(self, n):
+        _SHARED["a"] = np.zeros(n)
+
+    def snapshot(self):
+        return _SHARED["a"]
+
+    def noop(self):
+        pass
+
+
+@mf.persistent
+class _Bumper:
+    def bump_after(self, _done, by):
+        _SHARED["a"] += by  # (started once _done's value was here)
+
+    def bump_after_waiting(self, other, by):
+        other.noop().result(30)  # parks: the thread resumes later
+        _SHARED["a"] += by
+
+    def bump_in_callback(self, other, by):
+        def bump(_f):
+            _SHARED["a"] += by
+        f = other.noop()
+        f.add_done_callback(bump)
+        f.result(30)  # (its callbacks have run)
+
+    def noop(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_result_is_copied_before_any_later_user_code_changes_what_it_viewed(run):
+    # A large result is kept as views of the method's objects until user code
+    # runs again on its context; each way user code can run next must find a
+    # copy: a method starting, a parked method resuming, a done callback,
+    # main going on (context 0)
+    n = 100_000  # 800 KB: out of band
+
+    def main():
+        h = _Holder.create(n, on=1)
+        b = _Bumper.create(on=1)
+        started = h.snapshot()
+        b.bump_after(started, 1).result(30)
+        resumed = h.snapshot()
+        other = _Bumper.create(on=2)
+        b.bump_after_waiting(other, 10).result(30)
+        called = h.snapshot()
+        b.bump_in_callback(other, 100).result(30)
+        h.noop().result(30)
+        here = _Holder.create(n, on=0)
+        kept = here.snapshot()
+        here.noop().result(30)  # snapshot has returned, on this context
+        _SHARED["a"] += 1000  # main's own code, on context 0
+        return [f.result(30)[0] for f in (started, resumed, called, kept)]
+
+    assert run(main) == [0.0, 1.0, 11.0, 0.0]
+
+
+@mf.persistent
+class _Echo:
+    def echo(self, a):
+        return a
+
+
+@pytest.mark.timeout(60)
+def test_a_large_result_its_caller_waits_for_is_not_copied(run, transport):
+    # (every large result was copied when its method returned, to be safe
+    # from later calls: a 16 MB pass-and-return paid one more copy of it;
+    # the future's release now leaves before the next call, and the value
+    # is gone before any user code runs there)
+    a = np.arange(200_000.0)  # 1.6 MB: a large value, its future released at once
+
+    def main():
+        e, g = _Echo.create(on=1), _Grid.create(100_000, on=1)
+        before = mf.stats()[1]["results_copied"]
+        for _ in range(10):
+            assert e.echo(a).result(30)[-1] == 199_999.0
+        waited = mf.stats()[1]["results_copied"] - before
+        kept = g.snapshot()  # not taken before the next call runs there
+        g.step().result(30)
+        return waited, mf.stats()[1]["results_copied"] - before - waited, kept.result(30)[0]
+
+    waited, copied, first = run(main)
+    # (one process, inproc: the next user code runs without the engine knowing)
+    assert (waited, copied, first) == ((10, 1, 0.0) if transport == "inproc" else (0, 1, 0.0))
+
+
 @mf.persistent
 class _Relay:
     def use(self, h):

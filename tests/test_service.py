@@ -786,7 +786,7 @@ class _FakeTransport:
 
 
 class _FakeEngine:
-    id, user, epoch, serving, closed, service_cpu = 1, False, 0, 0, False, 0.0
+    id, user, epoch, serving, closed, service_cpu, undetached = 1, False, 0, 0, False, 0.0, ()
     transport = _FakeTransport()
 
     def serve_arrived(self):

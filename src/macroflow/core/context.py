@@ -417,6 +417,11 @@ class Engine:
         self.service: Any = None
         self.glance: Optional[Callable[[Callable[[], bool]], None]] = None
         self.served_busy = 0  # messages served while user code ran
+        #: results kept here whose large buffers are still views of the
+        #: method's own objects: copied before any user code runs (see kept_copies)
+        self.undetached: List[Tuple[Any, Slot, List[Any]]] = []
+        self.serving_forever = False
+        self.big_dropped = False  # a large value's future was dropped: release it at once
         self.service_cpu = 0.0  # CPU seconds the service mechanism spent serving
         self._scanned: Any = None  # the last inbox entry the service looked at
         self._in_serve = False
@@ -593,6 +598,11 @@ class Engine:
         if self.user and self.serving != _get_ident():
             return self._from_user(self.issue, kind, target, method, args, kwargs, dest, site,
                                    oid, pinned, fid)
+        if self.big_dropped:
+            # before the call, not at the next step: a large value's home
+            # frees it before the call runs there (no copy kept for its sake:
+            # see kept_copies)
+            self.flush_releases()
         if fid is None:
             fid = (self.id, next(self.seq))
         if dest in self.heirs and oid is None and getattr(self.call_kinds.get(kind), "moves",
@@ -796,6 +806,7 @@ class Engine:
             # the home holds large buffers for it: free them at the next step
             # (not from here: __del__ may run in the middle of anything)
             self.n_releases = max(self.n_releases, RELEASE_BATCH)
+            self.big_dropped = True
         if self.early:
             self.early.pop(f._fid, None)
         self.n_releases += 1
@@ -806,6 +817,7 @@ class Engine:
         if self.n_releases < RELEASE_BATCH:
             return
         self.n_releases = 0
+        self.big_dropped = False
         pending = self.releases
         n = len(pending)
         rel = pending[:n]
@@ -1085,8 +1097,12 @@ class Engine:
         return True
 
     def serve_forever(self) -> None:
-        while not self.stopping:
-            self.step(None)
+        self.serving_forever = True  # no user code of its own follows a step here
+        try:
+            while not self.stopping:
+                self.step(None)
+        finally:
+            self.serving_forever = False
 
     def busy(self) -> bool:
         return bool(self.inbox or self.ready or self.lost_queue)
@@ -1150,6 +1166,8 @@ class Engine:
             self.dispatching = False
             _state.current = prev
             self.transport.flush()
+            if self.undetached and not self.serving_forever:
+                self.kept_copies()  # whoever called may be user code (main, on context 0)
 
     def _process(self) -> None:
         inbox = self.inbox
@@ -1180,6 +1198,8 @@ class Engine:
                             bufs = self._whole_call(src, bufs)
                         self._relay_frame(bufs)
                         continue
+                if self.undetached and (b0[0] == _V or b0[0] == _W):
+                    self.kept_copies()  # a value may wake user code (a callback, a guard)
                 if b0[0] == _V:
                     _, ok, a0, a1 = _VGET.unpack_from(b0)
                     data = bufs[1] if len(bufs) > 1 else memoryview(b0)[_VGET.size:]
@@ -1197,6 +1217,8 @@ class Engine:
                     if msg is None:
                         continue
                 op = msg[0]
+                if self.undetached and op not in _NO_USER_CODE:
+                    self.kept_copies()
                 if op == CALL:
                     self._on_call(src, msg)
                 elif op == RSR and HANDLERS.get(RSR) is _serve_rsr:
@@ -1209,6 +1231,8 @@ class Engine:
                 # one that waits for a future
                 self._on_lost(self.lost_queue.pop(0))
             ready = self.ready
+            if ready and self.undetached:
+                self.kept_copies()
             while ready:
                 w = ready.popleft()
                 g = w.g
@@ -1567,8 +1591,6 @@ class Engine:
                     data, bufs = _pdumps(value, 5), []
                 else:
                     data, bufs = _encode(value)
-                    if bufs:
-                        bufs = _detached(bufs)
             except Exception:
                 pass  # _pickle_value below says why
             else:
@@ -1582,6 +1604,8 @@ class Engine:
                 else:  # _complete, inline: nobody else asked, not released yet
                     slot.state = FINISHED
                     slot.ok, slot.data, slot.bufs = True, data, bufs
+                if bufs:
+                    self._keep_copy(fid, slot, bufs)
                 return
         if ok and type(value) in _PLAIN and not keep_running and not slot.released:
             # a plain value nobody waits for unasked (a chain's link): kept,
@@ -1600,8 +1624,9 @@ class Engine:
                     self.send_value(dest, label, True, data, [])
             return
         ok, data, bufs = self._pickle_value(ok, value, call)
-        if bufs:
-            bufs = _detached(bufs)  # (kept here until asked for: see _detached)
+        if bufs and keep_running:
+            bufs = _detached(bufs)  # the method goes on at once (see _detached)
+            self.stats.results_copied += 1
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
@@ -1612,8 +1637,37 @@ class Engine:
             # value would stay here until 63 more futures were dropped there
             self._big_value(fid)
         self._complete(fid, slot, ok, data, bufs)
+        if bufs and not keep_running:
+            self._keep_copy(fid, slot, bufs)
         if keep_running:
             self.transport.flush()
+
+    def _keep_copy(self, fid, slot: Slot, bufs: List[Any]) -> None:
+        # A result's large buffers are views of the method's objects, and the
+        # value is kept until its caller asks for it (see _detached). They are
+        # copied before the next user code runs here, not now: by then the
+        # value has usually been asked for, sent and released (a 16 MB result
+        # returned to a caller that waits for it), and nothing is copied at all.
+        if self.service is None:
+            # one thread for every context (inproc): the next user code runs
+            # without this engine knowing
+            slot.bufs = _detached(bufs)
+            self.stats.results_copied += 1
+        elif self.slots.get(fid) is slot:
+            self.undetached.append((fid, slot, bufs))
+
+    def kept_copies(self) -> None:
+        """Copy the large buffers of the results kept here that are still views
+        of their methods' objects (see :func:`_detached`): called before user
+        code runs on this context (a method starts or resumes, a callback or a
+        handler runs, main goes on), so that no later change of those objects
+        changes a value already returned."""
+        pending, self.undetached = self.undetached, []
+        slots = self.slots
+        for fid, slot, bufs in pending:
+            if slots.get(fid) is slot and slot.bufs is bufs:
+                slot.bufs = _detached(bufs)
+                self.stats.results_copied += 1
 
     def _send_eager(self, call: Call, ok: bool, data, bufs) -> None:
         if _pickled_size(data, bufs) <= EAGER_MAX:
@@ -1716,6 +1770,8 @@ class Engine:
     def _maybe_drop(self, fid, slot: Slot) -> None:
         if slot.released and slot.served >= slot.expect:
             self.slots.pop(fid, None)
+            if self.undetached:  # (its views would keep the object's memory alive)
+                self.undetached = [e for e in self.undetached if e[1] is not slot]
             alias = slot.alias
             if alias is not None and slot.keep is None and alias[1] != self.id:
                 # a transferred call: its value lives where the call moved to
@@ -1733,6 +1789,7 @@ class Engine:
     def _on_big(self, fid) -> None:
         if any(r[1] == fid for r in self.releases):
             self.n_releases = max(self.n_releases, RELEASE_BATCH)  # dropped already
+            self.big_dropped = True
         elif len(self.big) < BIG_MAX:
             self.big.add(fid)  # noted on the future when it is dropped (release)
 
@@ -3174,6 +3231,10 @@ register(FATAL, _serve_fatal)
 register(PROBE, _serve_probe)
 register(MEMBERS, _serve_members)
 register(JOINED, _serve_joined)
+
+#: the engine's own messages that run no user code: a result kept here
+#: needs no copy of its buffers before these (see Engine.kept_copies)
+_NO_USER_CODE = frozenset((FORWARD, RELEASE, BIG, STATS, READY))
 register(RETIRE, lambda eng, src, msg: eng._on_retire(msg[1], msg[2]),
          served_while_busy=lambda eng, src, msg: _serve_retiring_busy(eng, msg, eng._on_retire))
 register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))

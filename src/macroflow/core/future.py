@@ -217,6 +217,8 @@ class Future:
         for w in waiters:
             w.wake(None)
         callbacks, self._callbacks = self._callbacks, []
+        if callbacks and self._engine is not None and self._engine.undetached:
+            self._engine.kept_copies()  # user code runs: see Engine.kept_copies
         for fn in callbacks:
             try:
                 fn(self)

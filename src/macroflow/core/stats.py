@@ -16,7 +16,7 @@ class Counters:
     __slots__ = ("bytes_sent", "bytes_received", "messages_sent", "messages_received",
                  "calls_executed", "calls_issued", "calls_transferred", "values_sent",
                  "instances_created", "rsr_executed", "contexts_lost", "guards_evaluated", "rsr_dropped",
-                 "calls_examined", "threads_parked", "handler_errors")
+                 "calls_examined", "threads_parked", "handler_errors", "results_copied")
 
     def __init__(self) -> None:
         for name in self.__slots__:

@@ -204,7 +204,7 @@ class Service:
     ``engine.serving`` set to the serving thread.
 
     Example:
-        >>> class Eng: user, epoch = False, 0
+        >>> class Eng: user, epoch, undetached = False, 0, ()
         >>> s = Service(Eng())
         >>> s.enter(); s.engine.user, s.engine.epoch
         (True, 1)
@@ -219,6 +219,8 @@ class Service:
 
     def enter(self) -> None:
         eng = self.engine
+        if eng.undetached:
+            eng.kept_copies()  # (see Engine.kept_copies)
         eng.epoch += 1
         eng.user = True  # last: the service may run from here on
 
@@ -231,7 +233,7 @@ class Service:
         go back to user code). The engine's ``_from_user`` is this method.
 
         Example:
-            >>> class Eng: user, epoch = True, 0
+            >>> class Eng: user, epoch, undetached = True, 0, ()
             >>> s = Service(Eng())
             >>> s.run_engine(lambda: s.engine.user), s.engine.user
             (False, True)
@@ -252,7 +254,7 @@ class Service:
         the call, ``leave()`` however it ends; return what it returned.
 
         Example:
-            >>> class Eng: user, epoch = False, 0
+            >>> class Eng: user, epoch, undetached = False, 0, ()
             >>> s = Service(Eng())
             >>> s.run_user(lambda x: (s.engine.user, x), (1,), None), s.engine.user
             ((True, 1), False)
@@ -524,7 +526,7 @@ class ServiceThread(Service):
 
     Example:
         >>> class Eng:
-        ...     user, epoch, serving, closed, service_cpu = False, 0, 0, False, 0.0
+        ...     user, epoch, serving, closed, service_cpu, undetached = False, 0, 0, False, 0.0, ()
         ...     def serve_arrived(self): self.got += 1; return 0
         >>> eng = Eng(); eng.got = 0
         >>> r, w = os.pipe()
@@ -627,7 +629,7 @@ class ServiceSignal(Service):
         ...     def signal_arrivals(self, on, again=False): return True
         >>> class Eng:
         ...     id, user, epoch, serving, closed, transport = 1, False, 0, 0, False, Transport()
-        ...     service_cpu = 0.0
+        ...     service_cpu, undetached = 0.0, ()
         ...     def serve_arrived(self): self.got += 1; return 0
         >>> eng = Eng(); eng.got = 0
         >>> s = ServiceSignal(eng, look=0.001)
@@ -673,6 +675,8 @@ class ServiceSignal(Service):
             else:
                 self.ticker = None  # user code took SIGVTALRM: the watcher alone
         eng = self.engine
+        if eng.undetached:
+            eng.kept_copies()  # (see Engine.kept_copies)
         eng.epoch += 1
         eng.user = True  # last: the service may run from here on
 
@@ -698,6 +702,8 @@ class ServiceSignal(Service):
             self.enter()
             raise
         if self.armed or self.ticker is None or self.stopped:  # the timer needs nothing
+            if eng.undetached:
+                eng.kept_copies()
             eng.epoch += 1
             eng.user = True
         else:
@@ -709,6 +715,8 @@ class ServiceSignal(Service):
         # method and remote action runs through here
         eng = self.engine
         if self.armed or self.ticker is None or self.stopped:
+            if eng.undetached:
+                eng.kept_copies()
             eng.epoch += 1
             eng.user = True
         else:
@@ -858,7 +866,7 @@ class ServiceTimer(Service):
 
     Example:
         >>> class Eng:
-        ...     user, epoch, serving, service_cpu = False, 0, 0, 0.0
+        ...     user, epoch, serving, service_cpu, undetached = False, 0, 0, 0.0, ()
         ...     def serve_arrived(self): self.got += 1; return 0
         >>> eng = Eng(); eng.got = 0
         >>> s = ServiceTimer(eng, period=0.001)
@@ -893,6 +901,8 @@ class ServiceTimer(Service):
             else:
                 self.stopped = True  # user code took SIGALRM: it is theirs now
         eng = self.engine
+        if eng.undetached:
+            eng.kept_copies()
         eng.epoch += 1
         eng.user = True
 

@@ -347,6 +347,8 @@ class ObjectHost(Model):
         # again, so calls arriving behind a thousand waiting ones cost one
         # guard each, not a thousand.
         eng = self.eng
+        if eng.undetached:
+            eng.kept_copies()  # guards are user code (see Engine.kept_copies)
         st = eng.stats
         stamp = st.calls_executed + st.rsr_executed
         todo = obj.gfresh if obj.gstamp == stamp else obj.gready
