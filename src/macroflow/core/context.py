@@ -3234,7 +3234,7 @@ register(JOINED, _serve_joined)
 
 #: the engine's own messages that run no user code: a result kept here
 #: needs no copy of its buffers before these (see Engine.kept_copies)
-_NO_USER_CODE = frozenset((FORWARD, RELEASE, BIG, STATS, READY))
+_NO_USER_CODE = frozenset((FORWARD, RELEASE, BIG, STATS, READY, PROBE, SHUTDOWN))
 register(RETIRE, lambda eng, src, msg: eng._on_retire(msg[1], msg[2]),
          served_while_busy=lambda eng, src, msg: _serve_retiring_busy(eng, msg, eng._on_retire))
 register(HANDOVER, lambda eng, src, msg: eng._on_handover(src, msg[1], msg[2]))
