@@ -1946,18 +1946,19 @@ class _Echo:
 
 
 @pytest.mark.timeout(60)
-def test_a_large_result_its_caller_waits_for_is_not_copied(run, transport):
+@pytest.mark.parametrize("n", [10_000, 200_000])  # 80 KB and 1.6 MB: out of band
+def test_a_large_result_its_caller_waits_for_is_not_copied(run, transport, n):
     # (every large result was copied when its method returned, to be safe
     # from later calls: a 16 MB pass-and-return paid one more copy of it;
     # the future's release now leaves before the next call, and the value
     # is gone before any user code runs there)
-    a = np.arange(200_000.0)  # 1.6 MB: a large value, its future released at once
+    a = np.arange(float(n))
 
     def main():
         e, g = _Echo.create(on=1), _Grid.create(100_000, on=1)
         before = mf.stats()[1]["results_copied"]
         for _ in range(10):
-            assert e.echo(a).result(30)[-1] == 199_999.0
+            assert e.echo(a).result(30)[-1] == n - 1
         waited = mf.stats()[1]["results_copied"] - before
         kept = g.snapshot()  # not taken before the next call runs there
         g.step().result(30)
