@@ -2095,3 +2095,17 @@ def test_a_regular_handle_passed_before_its_first_call_takes_its_arguments_as_pa
         return _Changer.create(on=1).change_then_call(h, arr).result(30)
 
     assert run(main, contexts=3) == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_future_the_caller_has_fetched_is_passed_as_the_callers_object(run):
+    # (documented: not an arc; the same object result() returned, as changed)
+    def main():
+        g, other = _Grid.create(10_000, on=1), _Grid.create(1, on=2)
+        fetched, unfetched = g.snapshot(), g.snapshot()
+        mine = fetched.result(30)
+        mine += 5
+        return (fetched.result(30) is mine, other.first(fetched).result(30),
+                other.first(unfetched).result(30))
+
+    assert run(main) == (True, 5.0, 0.0)

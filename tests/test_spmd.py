@@ -2142,3 +2142,41 @@ def test_typed_buffers_register_with_their_type_and_numpy_scalars_put_as_numbers
     assert mf.spmd(typed_buffers_and_numpy_scalars, n=1, transport=transport) == [
         (["float64", "int32", "uint8"], 3, [5.0, 2.0, 3.0], [3.0, 2.5],
          ["data holds", "data canno"])]
+
+
+@mf.persistent
+class _Registered:
+    def __init__(self, n):
+        self.a = np.zeros(n, np.uint8)
+        self.gp = mf.register(self.a)
+
+    def gptr(self):
+        return self.gp
+
+    def get(self):
+        return self.a
+
+    def half(self):
+        return self.a[: len(self.a) // 2]
+
+    def size(self, a):
+        return len(a)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [40_000, 2_000_000])  # both out of band
+def test_a_result_in_registered_memory_is_the_value_when_it_returned(run, n):
+    # (a kept result is copied before the next user code on its context; a
+    # put from another context runs none there, and changed the value a
+    # caller fetched after it)
+    def main():
+        h, other = _Registered.create(n, on=1), _Registered.create(1, on=2)
+        gp = h.gptr().result(30)
+        whole, part = h.get(), h.half()
+        # both have returned once their values reached context 2, which runs
+        # no user code on context 1 (a method there would copy them)
+        assert other.size(whole).result(30) + other.size(part).result(30) == n + n // 2
+        mf.put(gp, np.full(n, 7, np.uint8)).wait(30)
+        return int(whole.result(30).max()), int(part.result(30).max()), int(h.get().result(30).max())
+
+    assert run(main, contexts=3) == (0, 0, 7)

@@ -451,6 +451,9 @@ class Engine:
             self.shrinks.update(k for k, v in model.kinds.items() if v.outgoing is not None)
             for kind in model.pointers:
                 self.pointer_kinds[kind] = model
+        #: models whose memory others may write without running code here
+        #: (see Model.exposed)
+        self.exposers = [m for m in self.models.values() if m.has_exposed]
         if transport is not None:
             transport.attach(self.deliver, self.peer_lost, self.land)
             #: the transport's look before a thread parks (see wait_future), if any
@@ -1648,9 +1651,11 @@ class Engine:
         # copied before the next user code runs here, not now: by then the
         # value has usually been asked for, sent and released (a 16 MB result
         # returned to a caller that waits for it), and nothing is copied at all.
-        if self.service is None:
+        if self.service is None or (self.exposers and any(m.exposed(bufs)
+                                                          for m in self.exposers)):
             # one thread for every context (inproc): the next user code runs
-            # without this engine knowing
+            # without this engine knowing; or the result is (in) memory that
+            # other contexts write without running code here (mf.put)
             slot.bufs = _detached(bufs)
             self.stats.results_copied += 1
         elif self.slots.get(fid) is slot:
@@ -2959,10 +2964,13 @@ class Model:
     #: whether the model has a :meth:`served` of its own (set for each
     #: subclass: a request's end does not call the base's, which does nothing)
     notes_served = False
+    #: whether the model has an :meth:`exposed` of its own (set for each subclass)
+    has_exposed = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         cls.notes_served = cls.served is not Model.served
+        cls.has_exposed = cls.exposed is not Model.exposed
 
     def __init__(self, eng: "Engine"):
         self.eng = eng
@@ -2994,6 +3002,13 @@ class Model:
 
     def lost(self, peer: int) -> None:
         """Context ``peer`` is lost (called before its futures fail)."""
+
+    def exposed(self, bufs: List[Any]) -> bool:
+        """Whether any of ``bufs`` (a result's out-of-band buffers, about to be
+        kept here until asked for) lies in memory that other contexts may
+        write without any code running here (memory registered for one-sided
+        puts): such a result is copied at once, not before the next user code."""
+        return False
 
     def snapshot(self, d: Dict[str, Any]) -> None:
         """Add this model's figures to ``mf.stats()``'s dict ``d``."""

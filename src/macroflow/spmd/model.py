@@ -52,6 +52,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from ..core import errors, marshal
 from ..core.context import (RSR, RUNTIME_FILES, Call, CallKind, Engine, Model, check_timeout,
                             current_engine, register, register_model, rsr_frame)
@@ -520,6 +522,27 @@ class SpmdModel(Model):
         self.puts_out: List[Future] = []
 
     # ------------------------------------------------------------------ the engine's hooks
+    def exposed(self, bufs: List[Any]) -> bool:
+        # a result in (or in part of) registered memory: a put from another
+        # context changes it without a message here
+        if not self.regions:
+            return False
+        spans = []
+        for b in bufs:
+            raw = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b).cast("B")
+            if raw.nbytes:
+                start = np.frombuffer(raw, np.uint8).__array_interface__["data"][0]
+                spans.append((start, start + raw.nbytes))
+        for entry in self.regions.values():
+            data = entry[1]
+            if not data.nbytes:
+                continue
+            lo = data.__array_interface__["data"][0]
+            hi = lo + data.nbytes
+            if any(a < hi and lo < b for a, b in spans):
+                return True
+        return False
+
     def resolve(self, kind: str, ident: Any) -> Any:
         if kind == "action":
             return self  # a remote action's request (see serve_action)
