@@ -1627,9 +1627,6 @@ class Engine:
                     self.send_value(dest, label, True, data, [])
             return
         ok, data, bufs = self._pickle_value(ok, value, call)
-        if bufs and keep_running:
-            bufs = _detached(bufs)  # the method goes on at once (see _detached)
-            self.stats.results_copied += 1
         # rtf: the caller is waiting while the method goes on, so the value
         # goes to it now, unasked, and leaves before the method continues
         if call.route & EAGER or keep_running:
@@ -1640,25 +1637,30 @@ class Engine:
             # value would stay here until 63 more futures were dropped there
             self._big_value(fid)
         self._complete(fid, slot, ok, data, bufs)
-        if bufs and not keep_running:
-            self._keep_copy(fid, slot, bufs)
+        if bufs:
+            self._keep_copy(fid, slot, bufs, at_once=keep_running)
         if keep_running:
             self.transport.flush()
 
-    def _keep_copy(self, fid, slot: Slot, bufs: List[Any]) -> None:
+    def _keep_copy(self, fid, slot: Slot, bufs: List[Any], at_once: bool = False) -> None:
         # A result's large buffers are views of the method's objects, and the
         # value is kept until its caller asks for it (see _detached). They are
         # copied before the next user code runs here, not now: by then the
         # value has usually been asked for, sent and released (a 16 MB result
         # returned to a caller that waits for it), and nothing is copied at all.
-        if self.service is None or (self.exposers and any(m.exposed(bufs)
-                                                          for m in self.exposers)):
-            # one thread for every context (inproc): the next user code runs
-            # without this engine knowing; or the result is (in) memory that
-            # other contexts write without running code here (mf.put)
+        # (Sending copies them out at once, on every transport: what was sent
+        # already needs nothing.)
+        if self.slots.get(fid) is not slot:
+            return  # sent and released already
+        if at_once or self.service is None or (
+                self.exposers and any(m.exposed(bufs) for m in self.exposers)):
+            # the method goes on at once (rtf); or one thread runs every
+            # context (inproc), and the next user code runs without this
+            # engine knowing; or the result is (in) memory that other contexts
+            # write without running code here (mf.put)
             slot.bufs = _detached(bufs)
             self.stats.results_copied += 1
-        elif self.slots.get(fid) is slot:
+        else:
             self.undetached.append((fid, slot, bufs))
 
     def kept_copies(self) -> None:

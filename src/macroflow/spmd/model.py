@@ -52,11 +52,9 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
-
 from ..core import errors, marshal
-from ..core.context import (RSR, RUNTIME_FILES, Call, CallKind, Engine, Model, check_timeout,
-                            current_engine, register, register_model, rsr_frame)
+from ..core.context import (RSR, RUNTIME_FILES, Call, CallKind, Engine, Model, _raw,
+                            check_timeout, current_engine, register, register_model, rsr_frame)
 from ..core.future import FINISHED, CoroutineType, Future, run_coroutine, stale_future
 from ..core.threads import INTERRUPTS, getcurrent
 
@@ -527,20 +525,18 @@ class SpmdModel(Model):
         # context changes it without a message here
         if not self.regions:
             return False
+        from . import memory  # (loaded already: mf.register uses it)
         spans = []
-        for b in bufs:
-            raw = b.raw() if isinstance(b, pickle.PickleBuffer) else memoryview(b).cast("B")
-            if raw.nbytes:
-                start = np.frombuffer(raw, np.uint8).__array_interface__["data"][0]
-                spans.append((start, start + raw.nbytes))
+        for m in map(_raw, bufs):
+            if m.nbytes:
+                start = memory._address(m)
+                spans.append((start, start + m.nbytes))
         for entry in self.regions.values():
             data = entry[1]
-            if not data.nbytes:
-                continue
-            lo = data.__array_interface__["data"][0]
-            hi = lo + data.nbytes
-            if any(a < hi and lo < b for a, b in spans):
-                return True
+            if data.nbytes:
+                lo = memory._address(memoryview(data))
+                if any(a < lo + data.nbytes and lo < b for a, b in spans):
+                    return True
         return False
 
     def resolve(self, kind: str, ident: Any) -> Any:
