@@ -214,3 +214,32 @@ def test_a_context_lost_while_main_computes_gets_no_new_stateless_calls():
         return [type(f.exception(timeout=20)).__name__ for f in fs if f.exception(timeout=20)]
 
     assert mf.run(main, contexts=3, transport="local") == []
+
+
+def test_the_location_policy_sees_every_change_of_membership():
+    # (the candidates are listed once per membership, not at every call)
+    class Eng:
+        id, size, loads = 0, 3, [0, 0, 0]
+
+        def __init__(self):
+            self.lost, self.retiring = {}, set()
+
+        def load(self):
+            return 0
+
+    eng, p = Eng(), Placement("round-robin")
+    picks = lambda n: sorted({p.choose(eng, exclude=None) for _ in range(n)})
+    assert picks(6) == [0, 1, 2]
+    eng.retiring.add(1)
+    assert picks(6) == [0, 2]
+    eng.retiring.discard(1)
+    eng.retiring.add(2)
+    assert picks(6) == [0, 1]
+    eng.retiring.clear()
+    eng.lost[2] = "removed"
+    assert picks(6) == [0, 1]
+    eng.size, eng.loads = 5, [0] * 5
+    assert picks(10) == [0, 1, 3, 4]
+    assert sorted({p.choose(eng, exclude=0) for _ in range(10)}) == [1, 3, 4]
+    eng.lost.update({1: "x", 3: "x", 4: "x"})
+    assert p.choose(eng, exclude=0) is None

@@ -87,6 +87,8 @@ class Placement:
         self.seed = seed
         self.next = 0
         self.look_at = 0.0  # (see _look)
+        self._cands_for: Any = None  # what the candidates below were listed for (see choose)
+        self._cands: list = []
 
     def __repr__(self) -> str:
         """What it was made with, as it would be made again.
@@ -187,9 +189,17 @@ class Placement:
             ...     [p.choose(current_engine(), exclude=None) for _ in range(4)]
             [1, 2, 0, 1]
         """
+        # Listed again only when the membership changed: contexts are added
+        # (size), lost or removed (lost only grows: ids are never reused) or
+        # being removed (retiring). A fan-out's every call comes here.
         retiring = eng.retiring
-        cands = [c for c in range(eng.size)
-                 if c != exclude and c not in eng.lost and c not in retiring]
+        key = (eng.size, len(eng.lost), exclude, tuple(retiring) if retiring else None)
+        if key == self._cands_for:
+            cands = self._cands
+        else:
+            cands = self._cands = [c for c in range(eng.size)
+                                   if c != exclude and c not in eng.lost and c not in retiring]
+            self._cands_for = key
         if not cands:
             return None
         if self.policy == "random":
