@@ -535,6 +535,80 @@ def test_a_wait_for_any_of_several_futures_each_leading_back_to_it_is_a_cycle(ru
                       [("Either.start", 1), ("Either.call_back", 2), ("Either.reply", 1)]]
 
 
+@mf.persistent
+class Both:
+    """Waits for the first of a call to itself and a call to the other
+    object's ``start``, which waits the same way: each wait for any of
+    several leads to the other's. The innermost waits for a call to itself
+    and, given ``seconds``, for one that computes that long on a third
+    object (its way out)."""
+
+    def setup(self, me, other, free=None):
+        self.me, self.other, self.free = me, other, free
+
+    def start(self, how, depth, seconds=0.0):
+        if depth > 0:
+            fs = [self.me.reply(), self.other.start(how, depth - 1, seconds)]
+        elif seconds:
+            fs = [self.me.reply(), self.free.reply(seconds)]
+        else:
+            fs = [self.me.reply(), self.other.reply()]
+        if how == "first completed":
+            done, _ = mf.wait(fs, return_when=mf.FIRST_COMPLETED)
+            return done[0].result()
+        return next(iter(mf.as_completed(fs))).result()
+
+    def reply(self, seconds=0.0):
+        if seconds:
+            time.sleep(seconds)  # computes: it does not wait
+            return "slept"
+        return "reply"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["first completed", "as completed"])
+def test_two_waits_for_any_of_several_that_lead_to_each_other_are_a_cycle(run, how):
+    # (a probe stopped at a wait for any of several other than its own: two
+    # such waits leading to each other waited for ever)
+    def main():
+        a, b = Both.create(on=1), Both.create(on=2)
+        mf.gather([a.setup(a, b), b.setup(b, a)])
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError) as e:
+            a.start(how, 1).result(timeout=20)
+        took = time.monotonic() - t
+        return (took, str(e.value), e.value.cycles, a.reply().result(timeout=10),
+                b.reply().result(timeout=10))
+
+    took, text, cycles, ra, rb = run(main, contexts=3)
+    assert took < 3.0
+    assert (ra, rb) == ("reply", "reply")  # both objects serve again
+    # exactly one wait fails: the one with the higher id (B's, made by A's
+    # method), and its error reaches main through A's wait
+    assert text == (
+        "wait cycle: Both.start (context 2) waits for any of 2 futures, and each way leads back "
+        "to it or to a wait like it on the way: Both.reply (context 2), which is queued behind "
+        "Both.start (context 2); Both.reply (context 1), which is queued behind Both.start "
+        "(context 1), which waits for any of 2 futures, among them Both.reply (context 1), which "
+        "is queued behind Both.start (context 1); Both.reply (context 1), which is queued behind "
+        "Both.start (context 1), which waits for any of 2 futures, among them Both.start "
+        "(context 2); this wait fails so that the others can go on"), text
+    assert cycles[0] == [("Both.start", 2), ("Both.reply", 2)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["first completed", "as completed"])
+def test_waits_for_any_of_several_leading_to_each_other_with_one_way_out_are_not_a_cycle(run, how):
+    # the innermost wait's other branch computes for longer than probes
+    # take to go round: every wait ends with it
+    def main():
+        a, b, free = Both.create(on=1), Both.create(on=2), Both.create(on=1)
+        mf.gather([a.setup(a, b), b.setup(b, a, free)])
+        return a.start(how, 1, 1.5).result(timeout=20), a.reply().result(timeout=10)
+
+    assert run(main, contexts=3) == ("slept", "reply")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["first completed", "as completed"])
 def test_a_wait_for_any_of_several_with_one_that_can_end_is_not_a_cycle(run, how):

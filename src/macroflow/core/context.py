@@ -124,6 +124,9 @@ EAGER_MAX = 64 * 1024  # an eagerly routed value larger than this waits to be as
 PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
+ANY_NEST_MAX = 4  # a probe of a wait for any of several fans out at most this many waits like it deep
+_AMONG = "waits for any of {} futures, among them"  # a hop through another such wait
+_CLOSES = "closes"  # a probe's last hop: it came back to a wait for any of several on its way
 ANY_PROBE_MAX = 8.0  # at most this long between rounds of probes of a wait for any of several
 GLANCE_MIN_WAIT = 1e-3  # a wait with a shorter timeout parks at once (see _glance_for)
 POLLER_SPIN = 2e-3  # for this long after a poller is added the engine does not sleep ...
@@ -169,7 +172,7 @@ class AnyOf:
     Example:
         >>> w = AnyOf(["f1", "f2"])
         >>> w.round, w.found
-        (0, {})
+        (0, [])
     """
 
     __slots__ = ("fs", "round", "found", "next")
@@ -177,7 +180,7 @@ class AnyOf:
     def __init__(self, fs: List[Any]):
         self.fs = fs
         self.round = 0
-        self.found: Dict[int, list] = {}  # branch -> the path that came back, this round
+        self.found: List[list] = []  # the paths that came back, this round
         self.next = 0.0  # (time.monotonic) when the next round is due
 
 
@@ -2419,7 +2422,7 @@ class Engine:
                     # a new round: what came back before may have changed
                     # since (a wait on a branch timed out), so it is not kept
                     f.round += 1
-                    f.found = {}
+                    f.found = []
                     label = self._call_label(call)
                     for i, g in enumerate(f.fs):
                         self._probe(fid, g._fid, g._home,
@@ -2488,6 +2491,25 @@ class Engine:
                             else:
                                 self._probe(init, lab[0], home, path)
                     break
+                if len(path[0]) >= 6:
+                    # a probe of a wait for any of several (its first hop says
+                    # which branch and round) reached another such wait: that
+                    # one holds only if every one of its branches does, so the
+                    # probe follows each (the initiator weighs them: see
+                    # _any_cycle); back at one it passed, that branch ends there
+                    entry = self.blocked.get(call.fid)
+                    if entry is not None and type(entry[1]) is AnyOf:
+                        if any(p[0] == call.fid for p in path):
+                            self._probe(init, init, path[0][2],
+                                        path + [(call.fid, label, self.id, _CLOSES)])
+                        elif sum(1 for p in path if p[3] != _CLOSES
+                                 and p[3].startswith("waits for any")) < ANY_NEST_MAX:
+                            fs = entry[1].fs
+                            among = _AMONG.format(len(fs))
+                            for j, g in enumerate(fs):
+                                self._probe(init, g._fid, g._home,
+                                            path + [(call.fid, label, self.id, among, j, len(fs))])
+                        break
                 kind = self.call_kinds.get(call.kind)
                 ahead = kind.queued_behind(call) if kind is not None else None
                 if ahead is None:
@@ -2519,23 +2541,30 @@ class Engine:
     def _any_cycle(self, init, entry: tuple, path: list) -> None:
         # A probe of a wait for any of several came back. Others' probes stop
         # at such a wait, so only its own find a cycle through it, and it
-        # alone fails: once every branch of this round has come back.
+        # alone fails: once every branch of this round has come back, and
+        # through each other such wait on the way, every branch of that one.
+        # Such waits probe each other: of those in a knot, the one with the
+        # highest id fails, so exactly one does.
         w: AnyOf = entry[1]
         first = path[0]
         if len(first) < 6 or first[5] != w.round:
             return  # an earlier round's
-        w.found[first[4]] = path
-        if len(w.found) < len(w.fs):
+        w.found.append(path)
+        if not _all_back([(p[0][4], p[1:]) for p in w.found], len(w.fs)):
             return
-        # each branch from the future waited for: "X.b (context 1), which is
-        # queued behind X.a (context 1)"
-        texts = [_cycle_text(w.found[i], 1) for i in sorted(w.found)]
+        if any(len(q) == 6 and q[0] > init for p in w.found for q in p[1:]):
+            return  # another such wait in the knot fails (it has found it too)
+        paths = sorted(w.found, key=_branches)
+        texts = [_cycle_text(p, 1) for p in paths]
+        if any(len(q) == 6 or q[3] == _CLOSES for p in paths for q in p[1:]):
+            how = "and each way leads back to it or to a wait like it on the way"
+        else:
+            how = "and each leads back to it"
         err = errors.DeadlockError(
             f"wait cycle: {first[1]} (context {first[2]}) waits for any of {len(w.fs)} futures, "
-            f"and each leads back to it: " + "; ".join(texts)
-            + "; this wait fails so that the others can go on")
-        err.cycle = [(q[1], q[2]) for q in w.found[min(w.found)]]
-        err.cycles = [[(q[1], q[2]) for q in w.found[i]] for i in sorted(w.found)]
+            f"{how}: " + "; ".join(texts) + "; this wait fails so that the others can go on")
+        err.cycle = [(q[1], q[2]) for q in paths[0] if q[3] != _CLOSES]
+        err.cycles = [[(q[1], q[2]) for q in p if q[3] != _CLOSES] for p in paths]
         entry[2].wake(err)
 
     # ------------------------------------------------------------------ lost peers
@@ -3396,6 +3425,49 @@ def _rsr_msg(bufs: List[Any]) -> tuple:
     return (op, known[0], known[1], args, _RSR_THREADS[code])
 
 
+def _branches(path: list) -> list:
+    """The branch taken at each wait for any of several along a probe's
+    path: how the paths of one round are ordered (see Engine._any_cycle)."""
+    return [p[4] for p in path if len(p) == 6]
+
+
+def _all_back(ways: list, k: int) -> bool:
+    """Whether the probes that came back, ``ways`` (branch, hops after it),
+    show every one of ``k`` branches of a wait for any of several held by
+    the waits it probed: a branch is held if one of its ways came back with
+    no other such wait on it, or through one whose every branch is held.
+
+    Example:
+        >>> among = ("b", "B.x", 2, _AMONG.format(2))
+        >>> _all_back([(0, []), (1, [])], 2), _all_back([(0, [])], 2)
+        (True, False)
+        >>> _all_back([(0, []), (1, [among + (0, 2)])], 2)
+        False
+        >>> _all_back([(0, []), (1, [among + (0, 2)]), (1, [among + (1, 2), ("b", "B.x", 2, _CLOSES)])], 2)
+        True
+    """
+    by: Dict[int, list] = {}
+    for b, hops in ways:
+        by.setdefault(b, []).append(hops)
+    if len(by) < k:
+        return False
+    for b in range(k):
+        held = False
+        deeper: Dict[Any, list] = {}
+        for hops in by.get(b, ()):
+            at = next((i for i, q in enumerate(hops) if len(q) == 6), None)
+            if at is None:
+                held = True  # back, with no such wait on the way
+                break
+            q = hops[at]
+            deeper.setdefault((q[0], q[5]), []).append((q[4], hops[at + 1:]))
+        if not held:
+            held = any(_all_back(sub, n) for (_, n), sub in deeper.items())
+        if not held:
+            return False
+    return True
+
+
 def _cycle_text(path: list, start: int = 0) -> str:
     """A wait cycle's probe path in words, from its hop ``start``, back to
     its first.
@@ -3407,7 +3479,10 @@ def _cycle_text(path: list, start: int = 0) -> str:
         >>> _cycle_text(path, 1)
         'B.bounce (context 2), which waits for A.start (context 1)'
     """
-    hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{path[0][1]} (context {path[0][2]})"]
+    end = path[0]
+    if path[-1][3] == _CLOSES:  # back at a wait on the way, not at the first
+        path, end = path[:-1], path[-1]
+    hops = [f"{p[1]} (context {p[2]})" for p in path] + [f"{end[1]} (context {end[2]})"]
     return hops[start] + "".join(f"{', which' if i else ''} {path[i][3]} {hops[i + 1]}"
                                  for i in range(start, len(path)))
 
