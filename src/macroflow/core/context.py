@@ -125,6 +125,7 @@ PINNED, EAGER = 1, 2
 PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often while it lasts
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
 ANY_NEST_MAX = 4  # a probe of a wait for any of several fans out at most this many waits like it deep
+ANY_FAN_MAX = 64  # and into at most this many probes from one of the initiator's (see _fans)
 _AMONG = "waits for any of {} futures, among them"  # a hop through another such wait
 _CLOSES = "closes"  # a probe's last hop: it came back to a wait for any of several on its way
 ANY_PROBE_MAX = 8.0  # at most this long between rounds of probes of a wait for any of several
@@ -2502,8 +2503,7 @@ class Engine:
                         if any(p[0] == call.fid for p in path):
                             self._probe(init, init, path[0][2],
                                         path + [(call.fid, label, self.id, _CLOSES)])
-                        elif sum(1 for p in path if p[3] != _CLOSES
-                                 and p[3].startswith("waits for any")) < ANY_NEST_MAX:
+                        elif _fans(path, len(entry[1].fs)):
                             fs = entry[1].fs
                             among = _AMONG.format(len(fs))
                             for j, g in enumerate(fs):
@@ -3429,6 +3429,28 @@ def _branches(path: list) -> list:
     """The branch taken at each wait for any of several along a probe's
     path: how the paths of one round are ordered (see Engine._any_cycle)."""
     return [p[4] for p in path if len(p) == 6]
+
+
+def _fans(path: list, k: int) -> bool:
+    """Whether a probe on ``path`` that reached a wait for any of ``k``
+    futures follows each: at most ANY_NEST_MAX such waits deep, and into at
+    most ANY_FAN_MAX probes from each of its initiator's, so that a round
+    of a wait for many, through waits for many, costs a bounded number of
+    messages (a knot beyond the bounds is not found, as before them).
+
+    Example:
+        >>> among = ("b", "B.x", 2, _AMONG.format(8))
+        >>> _fans([("a", "A.x", 1, "waits for", 0, 1)], 8), _fans([("a",), among + (0, 8)], 8)
+        (True, True)
+        >>> _fans([("a",), among + (0, 8)], 9), _fans([("a",)] + [among + (0, 1)] * 4, 1)
+        (False, False)
+    """
+    width, depth = k, 0
+    for p in path[1:]:
+        if len(p) == 6:
+            width *= p[5]
+            depth += 1
+    return depth < ANY_NEST_MAX and width <= ANY_FAN_MAX
 
 
 def _all_back(ways: list, k: int) -> bool:
