@@ -327,7 +327,6 @@ def format_remote(exc: BaseException, ctx: int) -> str:
     return f'Traceback from context {ctx}:\n{text}'
 
 
-
 class _Stamp:
     """A timed wait's callback: when the value came (see Engine._wait_timed).
     It runs no user code, so a value may be given to a future that has only
@@ -349,6 +348,7 @@ def _plain_callbacks(cbs: list) -> bool:
         if type(cb) is not _Stamp:
             return False
     return True
+
 
 class Engine:
     """The progress engine of one context (the models' parts: ``models``).
