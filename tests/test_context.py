@@ -492,8 +492,8 @@ class Either:
     def setup(self, me, other):
         self.me, self.other = me, other
 
-    def start(self, how, seconds=0.0):
-        fs = [self.me.reply(), self.other.call_back(self.me, seconds)]
+    def start(self, how, seconds=0.0, copies=1):
+        fs = [self.me.reply() for _ in range(copies)] + [self.other.call_back(self.me, seconds)]
         if how == "first completed":
             done, _ = mf.wait(fs, return_when=mf.FIRST_COMPLETED)
             return done[0].result()
@@ -607,6 +607,25 @@ def test_waits_for_any_of_several_leading_to_each_other_with_one_way_out_are_not
         return a.start(how, 1, 1.5).result(timeout=20), a.reply().result(timeout=10)
 
     assert run(main, contexts=3) == ("slept", "reply")
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_for_any_of_several_names_each_way_back_once(run):
+    # (5 calls to its own object queued behind it came back as 5 ways, each
+    # named in the message: knots of such waits named hundreds)
+    def main():
+        a, b = Either.create(on=1), Either.create(on=2)
+        mf.gather([a.setup(a, b), b.setup(b, a)])
+        with pytest.raises(mf.DeadlockError) as e:
+            a.start("first completed", 0.0, 5).result(timeout=20)
+        return str(e.value), e.value.cycles
+
+    text, cycles = run(main, contexts=3)
+    assert text.count("Either.reply (context 1), which is queued behind") == 2, text
+    assert text.startswith("wait cycle: Either.start (context 1) waits for any of 6 futures, "
+                           "and each leads back to it: "), text
+    assert cycles == [[("Either.start", 1), ("Either.reply", 1)],
+                      [("Either.start", 1), ("Either.call_back", 2), ("Either.reply", 1)]]
 
 
 @pytest.mark.timeout(60)

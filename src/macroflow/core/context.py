@@ -126,6 +126,7 @@ PROBE_AFTER = 0.5  # a wait this old sends a deadlock probe, and again as often 
 PROBE_PATH_MAX = 256  # longer wait chains are not followed
 ANY_NEST_MAX = 4  # a probe of a wait for any of several fans out at most this many waits like it deep
 ANY_FAN_MAX = 64  # and into at most this many probes from one of the initiator's (see _fans)
+CYCLES_SHOWN = 8  # a wait for any of several names at most this many ways back in its message
 _AMONG = "waits for any of {} futures, among them"  # a hop through another such wait
 _CLOSES = "closes"  # a probe's last hop: it came back to a wait for any of several on its way
 ANY_PROBE_MAX = 8.0  # at most this long between rounds of probes of a wait for any of several
@@ -2554,15 +2555,24 @@ class Engine:
             return
         if any(len(q) == 6 and q[0] > init for p in w.found for q in p[1:]):
             return  # another such wait in the knot fails (it has found it too)
-        paths = sorted(w.found, key=_branches)
-        texts = [_cycle_text(p, 1) for p in paths]
+        # each way once: futures of calls queued behind the same one (k
+        # calls to its own object) come back as the same way in words
+        paths, texts = [], []
+        for p in sorted(w.found, key=_branches):
+            text = _cycle_text(p, 1)
+            if text not in texts:
+                paths.append(p)
+                texts.append(text)
         if any(len(q) == 6 or q[3] == _CLOSES for p in paths for q in p[1:]):
             how = "and each way leads back to it or to a wait like it on the way"
         else:
             how = "and each leads back to it"
+        shown = "; ".join(texts[:CYCLES_SHOWN])
+        if len(texts) > CYCLES_SHOWN:
+            shown += f"; and {len(texts) - CYCLES_SHOWN} more ways (the error's cycles)"
         err = errors.DeadlockError(
             f"wait cycle: {first[1]} (context {first[2]}) waits for any of {len(w.fs)} futures, "
-            f"{how}: " + "; ".join(texts) + "; this wait fails so that the others can go on")
+            f"{how}: {shown}; this wait fails so that the others can go on")
         err.cycle = [(q[1], q[2]) for q in paths[0] if q[3] != _CLOSES]
         err.cycles = [[(q[1], q[2]) for q in p if q[3] != _CLOSES] for p in paths]
         entry[2].wake(err)
