@@ -596,6 +596,48 @@ def test_two_waits_for_any_of_several_that_lead_to_each_other_are_a_cycle(run, h
     assert cycles[0] == [("Both.start", 2), ("Both.reply", 2)]
 
 
+@mf.persistent
+class Wide:
+    """``wide`` waits for the first of the other's ``narrow`` and ``k - 1``
+    calls to the other; ``narrow`` for the first of a call to itself and one
+    to the other."""
+
+    def setup(self, me, other):
+        self.me, self.other = me, other
+
+    def reply(self):
+        return "reply"
+
+    def wide(self, k):
+        fs = [self.other.narrow()] + [self.other.reply() for _ in range(k - 1)]
+        return mf.wait(fs, return_when=mf.FIRST_COMPLETED)[0].pop().result()
+
+    def narrow(self):
+        done, _ = mf.wait([self.me.reply(), self.other.reply()], return_when=mf.FIRST_COMPLETED)
+        return done.pop().result()
+
+
+@pytest.mark.timeout(60)
+def test_a_knot_the_wait_made_last_cannot_find_is_failed_by_another(run):
+    # (narrow, made last, is the one to fail, but from there the probes
+    # fan out into more than ANY_FAN_MAX: it never found the knot, and wide
+    # left it to narrow for ever)
+    from macroflow.core.context import ANY_FAN_MAX
+
+    def main():
+        a, b = Wide.create(on=1), Wide.create(on=2)
+        mf.gather([a.setup(a, b), b.setup(b, a)])
+        t = time.monotonic()
+        with pytest.raises(mf.DeadlockError) as e:
+            a.wide(ANY_FAN_MAX + 1).result(timeout=20)
+        return time.monotonic() - t, str(e.value), a.reply().result(10), b.reply().result(10)
+
+    took, text, ra, rb = run(main, contexts=3)
+    assert took < 5.0 and (ra, rb) == ("reply", "reply")
+    assert text.startswith(f"wait cycle: Wide.wide (context 1) waits for any of "
+                           f"{ANY_FAN_MAX + 1} futures"), text
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["first completed", "as completed"])
 def test_waits_for_any_of_several_leading_to_each_other_with_one_way_out_are_not_a_cycle(run, how):

@@ -177,13 +177,14 @@ class AnyOf:
         (0, [])
     """
 
-    __slots__ = ("fs", "round", "found", "next")
+    __slots__ = ("fs", "round", "found", "next", "deferred")
 
     def __init__(self, fs: List[Any]):
         self.fs = fs
         self.round = 0
         self.found: List[list] = []  # the paths that came back, this round
         self.next = 0.0  # (time.monotonic) when the next round is due
+        self.deferred = 0  # the round in which it found a knot and left it to another wait
 
 
 class Call:
@@ -2537,6 +2538,7 @@ class Engine:
         err = errors.DeadlockError(f"wait cycle: {text}; this wait fails so that the others can "
                                    f"go on")
         err.cycle = [(p[1], p[2]) for p in path]
+        err.cycles = [err.cycle]  # as a wait for any of several's error has
         entry[2].wake(err)
 
     def _any_cycle(self, init, entry: tuple, path: list) -> None:
@@ -2553,8 +2555,15 @@ class Engine:
         w.found.append(path)
         if not _all_back([(p[0][4], p[1:]) for p in w.found], len(w.fs)):
             return
-        if any(len(q) == 6 and q[0] > init for p in w.found for q in p[1:]):
-            return  # another such wait in the knot fails (it has found it too)
+        if w.deferred == 0 and any(len(q) == 6 and q[0] > init for p in w.found for q in p[1:]):
+            # another such wait in the knot fails (it finds it too), unless
+            # its probes cannot (beyond ANY_FAN_MAX from there): if this one
+            # finds the knot again in a later round, it fails itself
+            w.deferred = w.round
+            self.blocked_version += 1  # (inproc probes again only when waits change)
+            return
+        if w.deferred == w.round:
+            return  # (more of the round in which it was left to the other)
         # each way once: futures of calls queued behind the same one (k
         # calls to its own object) come back as the same way in words
         paths, texts = [], []
