@@ -689,11 +689,16 @@ def test_an_object_calling_a_regular_object_that_calls_it_back_is_a_cycle(run):
         c = Caller.create(on=1)
         c.setup(c)
         t = time.monotonic()
-        with pytest.raises(mf.DeadlockError, match="Middle.call_back .* Caller.reply .* Caller.start"):
+        with pytest.raises(mf.DeadlockError, match="Middle.call_back .* Caller.reply .* Caller.start") as e:
             c.start().result(timeout=20)
-        return time.monotonic() - t
+        return time.monotonic() - t, e.value.cycle, e.value.cycles
 
-    assert run(main, contexts=3) < 2.0
+    took, cycle, cycles = run(main, contexts=3)
+    assert took < 2.0
+    # (call, context) pairs, from the wait that fails round to it
+    assert sorted(c for c, _ in cycle) == ["Caller.reply", "Caller.start", "Middle.call_back"]
+    assert ("Caller.start", 1) in cycle and ("Caller.reply", 1) in cycle
+    assert cycles == [cycle]
 
 
 @pytest.mark.timeout(60)
