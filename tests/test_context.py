@@ -509,21 +509,25 @@ class Either:
         return "reply"
 
 
+def _knot(cls, args):
+    """main: objects ``a`` (context 1) and ``b`` (context 2) of ``cls`` that
+    know each other; ``a.start(*args)`` must fail with DeadlockError. How
+    long that took, its text and cycles, and both objects' next replies."""
+    a, b = cls.create(on=1), cls.create(on=2)
+    mf.gather([a.setup(a, b), b.setup(b, a)])
+    t = time.monotonic()
+    with pytest.raises(mf.DeadlockError) as e:
+        a.start(*args).result(timeout=20)
+    took = time.monotonic() - t
+    return (took, str(e.value), e.value.cycles, a.reply().result(timeout=10),
+            b.reply().result(timeout=10))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["first completed", "as completed"])
 def test_a_wait_for_any_of_several_futures_each_leading_back_to_it_is_a_cycle(run, how):
     # (a wait for any of several was never probed: it waited for ever)
-    def main():
-        a, b = Either.create(on=1), Either.create(on=2)
-        mf.gather([a.setup(a, b), b.setup(b, a)])
-        t = time.monotonic()
-        with pytest.raises(mf.DeadlockError) as e:
-            a.start(how).result(timeout=20)
-        took = time.monotonic() - t
-        return (took, str(e.value), e.value.cycles, a.reply().result(timeout=10),
-                b.reply().result(timeout=10))
-
-    took, text, cycles, ra, rb = run(main, contexts=3)
+    took, text, cycles, ra, rb = run(_knot, Either, (how,), contexts=3)
     assert took < 2.0
     assert (ra, rb) == ("reply", "reply")
     assert text == (
@@ -570,17 +574,7 @@ class Both:
 def test_two_waits_for_any_of_several_that_lead_to_each_other_are_a_cycle(run, how):
     # (a probe stopped at a wait for any of several other than its own: two
     # such waits leading to each other waited for ever)
-    def main():
-        a, b = Both.create(on=1), Both.create(on=2)
-        mf.gather([a.setup(a, b), b.setup(b, a)])
-        t = time.monotonic()
-        with pytest.raises(mf.DeadlockError) as e:
-            a.start(how, 1).result(timeout=20)
-        took = time.monotonic() - t
-        return (took, str(e.value), e.value.cycles, a.reply().result(timeout=10),
-                b.reply().result(timeout=10))
-
-    took, text, cycles, ra, rb = run(main, contexts=3)
+    took, text, cycles, ra, rb = run(_knot, Both, (how, 1), contexts=3)
     assert took < 3.0
     assert (ra, rb) == ("reply", "reply")  # both objects serve again
     # exactly one wait fails: the one with the higher id (B's, made by A's
