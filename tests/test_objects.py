@@ -789,6 +789,25 @@ def test_done_callback(run):
     assert run(main) == [144, -1]
 
 
+def test_a_done_callback_that_raises_is_named_with_its_future_and_context_and_the_engine_goes_on(
+        run, capfd):
+    # (a bare traceback said neither which future nor which context)
+    def broken(fut):
+        raise KeyError("in the callback")
+
+    def main():
+        f = Math().square(4)
+        f.add_done_callback(broken)
+        return f.result(30), Math().square(5).result(30), repr(f)
+
+    got, after, name = run(main)
+    err = capfd.readouterr().err
+    assert (got, after) == (16, 25)
+    assert f"macroflow: done callback {broken.__qualname__} of {name} on context 0 raised " \
+           f"(ignored):" in err
+    assert "KeyError: 'in the callback'" in err
+
+
 def test_a_done_callback_that_is_not_callable_is_refused_where_it_is_added(run):
     # (it was taken, and failed inside the engine when the value came)
     def main():

@@ -300,3 +300,56 @@ def test_a_loop_of_zero_timeout_polls_gets_the_values(run):
         return got, polls < POLLS_MAX, [f.result() for f in fs], waits < POLLS_MAX
 
     assert run(main, contexts=2) == (42, True, [0, 1, 2, 3], True)
+
+
+#: what Step ran in this process, in order (each context is a process of its own)
+STEPS = []
+
+
+@mf.persistent
+class Step:
+    def run(self, name):
+        STEPS.append(name)
+        return name
+
+
+def first_of_two_here(how):
+    """Wait for the first of two calls placed on this very context; what ran
+    before the wait resumed, and what the wait gave."""
+    here = mf.context_id()
+    a, b = Step.create(on=here), Step.create(on=here)
+    mf.wait([a.run("warm"), b.run("warm")])
+    del STEPS[:]
+    fs = [a.run("a"), b.run("b")]
+    if how == "wait":
+        done, _ = mf.wait(fs, timeout=30, return_when=mf.FIRST_COMPLETED)
+        first = [f.result() for f in done]
+    else:
+        first = [next(mf.as_completed(fs, timeout=30)).result()]
+    STEPS.append("resumed")
+    seen = list(STEPS)
+    mf.wait(fs, timeout=30)
+    return first, seen, [f.result() for f in fs]
+
+
+@mf.persistent
+class Boss:
+    def first_of_two_here(self, how):
+        return first_of_two_here(how)
+
+
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+def test_a_method_waiting_for_the_first_of_two_calls_on_its_own_context_resumes_when_one_ends(
+        run, how):
+    # (it resumed only after the second had run too: the engine started every
+    # queued call before the threads they had made ready)
+    def main():
+        return Boss.create(on=1).first_of_two_here(how).result(timeout=30)
+
+    assert run(main, contexts=2) == (["a"], ["a", "resumed"], ["a", "b"])
+
+
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+def test_main_waiting_for_the_first_of_two_calls_on_its_own_context_resumes_when_one_ends(
+        run, how):
+    assert run(first_of_two_here, how, contexts=1) == (["a"], ["a", "resumed"], ["a", "b"])

@@ -343,11 +343,29 @@ class _Stamp:
         self.came.append(time.monotonic())
 
 
+class _RootWake:
+    """The waiter of a root's wait for the first of several futures (main's,
+    on context 0): the first to finish ends the engine's pass, as a method's
+    thread made ready does, so that the wait returns before the calls queued
+    behind it start."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def wake(self, _value: Any) -> None:
+        self.engine.root_woken = True
+
+
 def _plain_callbacks(cbs: list) -> bool:
-    """Whether a future's callbacks are only timed waits' stamps, which may
-    run anywhere: user callbacks run from the engine's loop."""
+    """Whether a future's callbacks are only timed waits' stamps and the
+    queues of waits for the first of several (:class:`Arrivals`), which run
+    no user code and so may run anywhere: user callbacks run from the
+    engine's loop."""
     for cb in cbs:
-        if type(cb) is not _Stamp:
+        t = type(cb)
+        if t is not _Stamp and t is not Arrivals:
             return False
     return True
 
@@ -380,6 +398,9 @@ class Engine:
         self.pool = Pool(self, self.root)
         self.inbox: Deque[Tuple[int, List[Any], int]] = deque()
         self.ready: Deque[Any] = deque()
+        # the root's wait for the first of several was answered: the engine's
+        # loop returns to it before the next message (see _RootWake)
+        self.root_woken = False
         self.timers: List[Tuple[float, int, Waiter]] = []
         #: callables the engine calls at each step while they return False
         #: (a model's requests that complete without a message, such as MPI's
@@ -1039,10 +1060,13 @@ class Engine:
         # as in a wait with a timeout, context 0 starts no regular call that
         # could run elsewhere: one would hold back every other answer
         timed, self.timed_wait = self.timed_wait, True
+        arrivals.waiter = _RootWake(self)
         try:
             return self.driver.run_until(lambda: bool(arrivals.queue), deadline)
         finally:
             self.timed_wait = timed
+            arrivals.waiter = None
+            self.root_woken = False
 
     def _block(self, call: Call, f: Any, waiter: Waiter) -> None:
         """``call``'s thread waits for ``f`` (a Future, or an :class:`AnyOf`):
@@ -1201,8 +1225,12 @@ class Engine:
     def _process(self) -> None:
         inbox = self.inbox
         stop = self.stop_at
+        ready = self.ready
         while True:
-            while inbox:
+            # a thread made ready goes before the next message: a method that
+            # waits for the first of several calls on its own context resumes
+            # when one ends, not after the calls queued behind it have run
+            while inbox and not ready and not self.root_woken:
                 if stop is not None and time.monotonic() >= stop:
                     break  # a waiter in this thread is due (inproc): the rest can wait
                 src, bufs, load = inbox.popleft()
@@ -1259,7 +1287,6 @@ class Engine:
                 # resume: one that polls (mf.poll()) sees the loss too, not only
                 # one that waits for a future
                 self._on_lost(self.lost_queue.pop(0))
-            ready = self.ready
             if ready and self.undetached:
                 self.kept_copies()
             while ready:
@@ -1267,6 +1294,8 @@ class Engine:
                 g = w.g
                 if g.switch(w.value) is DONE:  # self.resume(g, value), inline
                     self.pool.put(g)
+            if inbox and not self.root_woken and (stop is None or time.monotonic() < stop):
+                continue
             if not self.timers:
                 return
             now = time.monotonic()
@@ -1651,7 +1680,11 @@ class Engine:
             if slot.subs:
                 subs, slot.subs = slot.subs, []
                 st = self.stats
+                me = self.id if self.relay_to is None else None
                 for dest, label in subs:
+                    if dest == me and label[1] is None and label[0] == fid \
+                            and self._local_value(fid, value, len(data) >= BIG_VALUE):
+                        continue  # asked for here: no frame to itself either
                     st.values_sent += 1
                     self.send_value(dest, label, True, data, [])
             return

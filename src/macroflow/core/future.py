@@ -16,6 +16,7 @@ context's engine makes progress; in a coroutine method, ``await f`` waits as
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import types
@@ -223,8 +224,7 @@ class Future:
             try:
                 fn(self)
             except Exception:  # a callback's bug must not stop the engine
-                import traceback
-                traceback.print_exc()
+                _callback_failed(self, fn)
 
     def __await__(self):
         if self._state != FINISHED and getattr(getcurrent(), "engine", None) is None:
@@ -479,6 +479,17 @@ def run_coroutine(coro: Any) -> Any:
 
 # -- awaiting from asyncio -------------------------------------------------------
 POLL_S = 0.001  # inproc has no descriptor to watch: idle engines are polled this often
+
+
+def _callback_failed(f: Future, fn: Any) -> None:
+    """Say on stderr which done callback of which future raised, where, and
+    the traceback; the engine goes on (a callback's bug must not stop it)."""
+    import traceback
+    eng = f._engine
+    where = "" if eng is None else f" on context {eng.id}"
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    print(f"macroflow: done callback {name} of {f!r}{where} raised (ignored):\n"
+          f"{traceback.format_exc()}", end="", file=sys.stderr)
 
 
 async def _wait_async(f: Future) -> Any:
