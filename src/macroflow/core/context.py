@@ -1704,6 +1704,15 @@ class Engine:
         if keep_running:
             self.transport.flush()
 
+    def _future_of(self, fid) -> Optional[Future]:
+        """The future here that waits for the value of call ``fid``: one
+        asked for, or one whose site is routed eagerly (held weakly); None."""
+        f = self.asked.get(fid)
+        if f is None:
+            ref = self.eager.get(fid)
+            f = None if ref is None else ref()
+        return f
+
     def _local_value(self, fid, value: Any, big: bool) -> bool:
         """Give a plain (immutable) result of a call this context made to
         itself straight to its future, as :meth:`_take_value` does for one
@@ -1711,12 +1720,9 @@ class Engine:
         the engine's loop (a local null call 26 -> 21 us, measured). False
         (send it as any value) when the future has user callbacks, which run
         from the engine's loop, not from the thread of the method that returned."""
-        f = self.asked.get(fid)
+        f = self._future_of(fid)
         if f is None:
-            ref = self.eager.get(fid)
-            f = None if ref is None else ref()
-            if f is None:
-                return False
+            return False
         if f._callbacks and not _plain_callbacks(f._callbacks):
             return False
         self.asked.pop(fid, None)
@@ -1972,10 +1978,7 @@ class Engine:
         argument of Box.take"."""
         fid, consumer = label
         if consumer is None:
-            f = self.asked.get(fid)
-            if f is None:
-                ref = self.eager.get(fid)
-                f = ref() if ref is not None else None
+            f = self._future_of(fid)
             name = site_label(f._site) if f is not None else None
             if name is not None:
                 return f"the result of {name} (computed on context {f._home})"
@@ -2588,7 +2591,7 @@ class Engine:
         w.found.append(path)
         if not _all_back([(p[0][4], p[1:]) for p in w.found], len(w.fs)):
             return
-        if w.deferred == 0 and any(len(q) == 6 and q[0] > init for p in w.found for q in p[1:]):
+        if w.deferred == 0 and any(_among(q) and q[0] > init for p in w.found for q in p[1:]):
             # another such wait in the knot fails (it finds it too), unless
             # its probes cannot (beyond ANY_FAN_MAX from there): if this one
             # finds the knot again in a later round, it fails itself
@@ -2605,7 +2608,7 @@ class Engine:
             if text not in texts:
                 paths.append(p)
                 texts.append(text)
-        if any(len(q) == 6 or q[3] == _CLOSES for p in paths for q in p[1:]):
+        if any(_among(q) or q[3] == _CLOSES for p in paths for q in p[1:]):
             how = "and each way leads back to it or to a wait like it on the way"
         else:
             how = "and each leads back to it"
@@ -3477,10 +3480,22 @@ def _rsr_msg(bufs: List[Any]) -> tuple:
     return (op, known[0], known[1], args, _RSR_THREADS[code])
 
 
+def _among(hop: tuple) -> bool:
+    """Whether a hop of a probe's path is a wait for any of several that the
+    probe fanned out at: ``(fid, label, ctx, how, branch, k)``, where other
+    hops have 4 fields (a path's first, its initiator, has 6 too).
+
+    Example:
+        >>> _among(("b", "B.x", 2, _AMONG.format(2), 0, 2)), _among(("b", "B.x", 2, "waits for"))
+        (True, False)
+    """
+    return len(hop) == 6
+
+
 def _branches(path: list) -> list:
     """The branch taken at each wait for any of several along a probe's
     path: how the paths of one round are ordered (see Engine._any_cycle)."""
-    return [p[4] for p in path if len(p) == 6]
+    return [p[4] for p in path if _among(p)]
 
 
 def _fans(path: list, k: int) -> bool:
@@ -3499,7 +3514,7 @@ def _fans(path: list, k: int) -> bool:
     """
     width, depth = k, 0
     for p in path[1:]:
-        if len(p) == 6:
+        if _among(p):
             width *= p[5]
             depth += 1
     return depth < ANY_NEST_MAX and width <= ANY_FAN_MAX
@@ -3529,7 +3544,7 @@ def _all_back(ways: list, k: int) -> bool:
         held = False
         deeper: Dict[Any, list] = {}
         for hops in by.get(b, ()):
-            at = next((i for i, q in enumerate(hops) if len(q) == 6), None)
+            at = next((i for i, q in enumerate(hops) if _among(q)), None)
             if at is None:
                 held = True  # back, with no such wait on the way
                 break
