@@ -808,6 +808,23 @@ def test_a_done_callback_that_raises_is_named_with_its_future_and_context_and_th
     assert "KeyError: 'in the callback'" in err
 
 
+def test_a_done_callback_that_calls_sys_exit_is_said_and_its_context_serves_on(run, capfd):
+    # (a context ended with "internal error of its engine: SystemExit: 3";
+    # inproc, the whole program exited)
+    def main():
+        m = Math.create(on=1)
+        got = []
+        for _ in range(2):
+            f = m.square(3)
+            f.add_done_callback(lambda fut: sys.exit(3))
+            got.append((f.result(30), m.square(4).result(30)))
+        return got
+
+    assert run(main, contexts=2) == [(9, 16), (9, 16)]
+    err = capfd.readouterr().err
+    assert err.count("raised (ignored):") == 2 and err.count("SystemExit: 3") == 2, err
+
+
 def test_a_done_callback_that_is_not_callable_is_refused_where_it_is_added(run):
     # (it was taken, and failed inside the engine when the value came)
     def main():

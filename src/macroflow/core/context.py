@@ -343,21 +343,6 @@ class _Stamp:
         self.came.append(time.monotonic())
 
 
-class _RootWake:
-    """The waiter of a root's wait for the first of several futures (main's,
-    on context 0): the first to finish ends the engine's pass, as a method's
-    thread made ready does, so that the wait returns before the calls queued
-    behind it start."""
-
-    __slots__ = ("engine",)
-
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-
-    def wake(self, _value: Any) -> None:
-        self.engine.root_woken = True
-
-
 def _plain_callbacks(cbs: list) -> bool:
     """Whether a future's callbacks are only timed waits' stamps and the
     queues of waits for the first of several (:class:`Arrivals`), which run
@@ -398,9 +383,6 @@ class Engine:
         self.pool = Pool(self, self.root)
         self.inbox: Deque[Tuple[int, List[Any], int]] = deque()
         self.ready: Deque[Any] = deque()
-        # the root's wait for the first of several was answered: the engine's
-        # loop returns to it before the next message (see _RootWake)
-        self.root_woken = False
         self.timers: List[Tuple[float, int, Waiter]] = []
         #: callables the engine calls at each step while they return False
         #: (a model's requests that complete without a message, such as MPI's
@@ -1060,13 +1042,10 @@ class Engine:
         # as in a wait with a timeout, context 0 starts no regular call that
         # could run elsewhere: one would hold back every other answer
         timed, self.timed_wait = self.timed_wait, True
-        arrivals.waiter = _RootWake(self)
         try:
             return self.driver.run_until(lambda: bool(arrivals.queue), deadline)
         finally:
             self.timed_wait = timed
-            arrivals.waiter = None
-            self.root_woken = False
 
     def _block(self, call: Call, f: Any, waiter: Waiter) -> None:
         """``call``'s thread waits for ``f`` (a Future, or an :class:`AnyOf`):
@@ -1225,12 +1204,8 @@ class Engine:
     def _process(self) -> None:
         inbox = self.inbox
         stop = self.stop_at
-        ready = self.ready
         while True:
-            # a thread made ready goes before the next message: a method that
-            # waits for the first of several calls on its own context resumes
-            # when one ends, not after the calls queued behind it have run
-            while inbox and not ready and not self.root_woken:
+            while inbox:
                 if stop is not None and time.monotonic() >= stop:
                     break  # a waiter in this thread is due (inproc): the rest can wait
                 src, bufs, load = inbox.popleft()
@@ -1287,6 +1262,7 @@ class Engine:
                 # resume: one that polls (mf.poll()) sees the loss too, not only
                 # one that waits for a future
                 self._on_lost(self.lost_queue.pop(0))
+            ready = self.ready
             if ready and self.undetached:
                 self.kept_copies()
             while ready:
@@ -1294,8 +1270,6 @@ class Engine:
                 g = w.g
                 if g.switch(w.value) is DONE:  # self.resume(g, value), inline
                     self.pool.put(g)
-            if inbox and not self.root_woken and (stop is None or time.monotonic() < stop):
-                continue
             if not self.timers:
                 return
             now = time.monotonic()
@@ -1593,6 +1567,16 @@ class Engine:
         if dest < 0:
             return  # a request that only counts: nobody waits for its answer
         a, c = label
+        if dest == self.id and c is None and self.relay_to is None:
+            f = self._future_of(a)
+            if f is not None and (not f._callbacks or _plain_callbacks(f._callbacks)):
+                # a result for a future here is taken now, as the frame to
+                # itself would be when read (its buffers copied: call-by-
+                # value), not behind the calls queued here: results of this
+                # context's calls to itself reach their futures in the order
+                # the calls ended, whatever their type
+                self._on_value(label, ok, data, [bytearray(_raw(b)) for b in bufs])
+                return
         if c is None:
             head = _VGET.pack(_V, ok, a[0], a[1])
         else:
@@ -1657,6 +1641,9 @@ class Engine:
                     pass
                 elif bufs or len(data) > EAGER_MAX:
                     self._send_eager(call, True, data, bufs)
+                elif fid[0] == self.id:
+                    self.stats.values_sent += 1
+                    self.send_value(fid[0], (fid, None), True, data, [])  # (see there)
                 else:
                     self.stats.values_sent += 1
                     self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
@@ -1767,7 +1754,9 @@ class Engine:
                 self.stats.results_copied += 1
 
     def _send_eager(self, call: Call, ok: bool, data, bufs) -> None:
-        if _pickled_size(data, bufs) <= EAGER_MAX:
+        if _pickled_size(data, bufs) <= EAGER_MAX or (
+                call.fid[0] == self.id and self._future_of(call.fid) is not None):
+            # (a large one to a future here too: see send_value)
             self.stats.values_sent += 1
             self.send_value(call.fid[0], (call.fid, None), ok, data, bufs)
         else:

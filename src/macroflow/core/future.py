@@ -223,8 +223,8 @@ class Future:
         for fn in callbacks:
             try:
                 fn(self)
-            except Exception:  # a callback's bug must not stop the engine
-                _callback_failed(self, fn)
+            except (Exception, SystemExit):  # a callback's bug must not stop the engine
+                _callback_failed(self, fn)  # (sys.exit() too, as in a method)
 
     def __await__(self):
         if self._state != FINISHED and getattr(getcurrent(), "engine", None) is None:
