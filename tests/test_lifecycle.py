@@ -49,6 +49,21 @@ def test_killed_context_fails_waiting_futures():
     assert isinstance(late, mf.ContextLost)
 
 
+def test_done_says_true_for_a_future_whose_context_was_lost():
+    # (a loop on done() and mf.poll() went on for ever: a future nobody had
+    # asked for is failed only when asked)
+    def main():
+        f = Gate.create(on=1).wait(1)  # never opens, and nobody asks for it
+        os.kill(_pid_of(1), signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not f.done() and time.monotonic() < deadline:
+            mf.poll()
+        return f.done(), f.exception(timeout=5)
+
+    done, err = mf.run(main, contexts=2)
+    assert done and isinstance(err, mf.ContextLost) and err.context == 1
+
+
 def test_context_exiting_fails_arcs_on_other_contexts():
     def main():
         g = Gate.create(on=1)

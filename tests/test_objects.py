@@ -808,6 +808,21 @@ def test_a_done_callback_that_raises_is_named_with_its_future_and_context_and_th
     assert "KeyError: 'in the callback'" in err
 
 
+@mf.persistent
+class Wraps:
+    def wrapped(self, m):
+        return [m.square(5)]
+
+
+def test_a_future_passed_inside_a_value_keeps_its_methods_name(run):
+    # (it arrived as <Future 1.2 @ctx1 pending>: which call was it?)
+    def main():
+        f = Wraps.create(on=1).wrapped(Math.create(on=1)).result(30)[0]
+        return repr(f).split()[1], f.result(30)
+
+    assert run(main, contexts=2) == ("Math.square", 25)
+
+
 def test_a_done_callback_that_calls_sys_exit_is_said_and_its_context_serves_on(run, capfd):
     # (a context ended with "internal error of its engine: SystemExit: 3";
     # inproc, the whole program exited)

@@ -86,6 +86,8 @@ class Future:
 
         Note that a future nobody has asked for stays not done here even after
         its producer finished: call :meth:`result` or :func:`macroflow.wait`.
+        One whose context is known to be lost is done, failed with
+        :class:`ContextLost`.
 
         Example:
             >>> import macroflow as mf
@@ -101,6 +103,16 @@ class Future:
             9
             True
         """
+        if self._state == FINISHED:
+            return True
+        eng = self._engine
+        if eng is not None and eng.lost:
+            home = self._home
+            if home in eng.lost and home not in eng.heirs and not eng.closed \
+                    and threading.get_ident() == eng.thread:
+                # its home is gone: the failure is known here without asking
+                # (a loop on done() alone would not see it)
+                self._set(False, errors.ContextLost(home, eng.lost[home]))
         return self._state == FINISHED
 
     def result(self, timeout: Optional[float] = None) -> Any:
@@ -243,7 +255,8 @@ class Future:
         # A future that travels inside a value (not as an arc) may be asked for
         # by its new holder at any time, so its home must keep the value.
         self._escaped = True
-        return (_rebuild, (self._fid, self._home, self._target, eng.computation))
+        label = site_label(self._site) if self._site is not None else None
+        return (_rebuild, (self._fid, self._home, self._target, eng.computation, label or None))
 
     def __del__(self):
         try:
@@ -359,12 +372,26 @@ def site_label(site: Any) -> str:
     return site if isinstance(site, str) else getattr(site, "label", "")
 
 
-def _rebuild(fid: FutureId, home: int, target: Any, computation: str) -> Future:
+_SITES_NAMED: Dict[str, "CallSite"] = {}  # a rebuilt future's call site, by its label
+_SITES_NAMED_MAX = 256
+
+
+def _rebuild(fid: FutureId, home: int, target: Any, computation: str,
+             label: Optional[str] = None) -> Future:
     from .context import current_engine
     running = running_computation()
     if running != computation:
         raise errors.StaleReference(f"future {fid[0]}.{fid[1]} @ctx{home}", computation, running)
-    return current_engine().adopt_future(fid, home, target)
+    f = current_engine().adopt_future(fid, home, target)
+    if label and f._site is None:
+        # named as where it was made: <Future B.slow 1.2 @ctx2 pending>
+        site = _SITES_NAMED.get(label)
+        if site is None:
+            if len(_SITES_NAMED) >= _SITES_NAMED_MAX:
+                _SITES_NAMED.clear()
+            site = _SITES_NAMED[label] = CallSite(label)
+        f._site = site
+    return f
 
 
 # -- identity ------------------------------------------------------------------
