@@ -2404,6 +2404,8 @@ def _spawned(entry: str, watch: Optional[str] = None,
         start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner, merged))
     comm = parent.Merge(high=True)
     merged.set()
+    if not entry.endswith(":_serve_added"):
+        _settled.set()  # (an added rank waits for its plan first: see _serve_added)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
     try:
         import importlib
@@ -2421,6 +2423,8 @@ def _spawned(entry: str, watch: Optional[str] = None,
 
 #: seconds a spawned rank waits for its spawner to merge with it
 MERGE_WAIT = 60.0
+#: set once a spawned rank no longer needs its spawner watched (see _orphan_watch)
+_settled = threading.Event()
 
 
 def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no cover - in a rank
@@ -2429,20 +2433,34 @@ def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no 
     # does, and they waited in the merge for ever, spinning. A rank whose
     # spawner has ended, or has not merged in MERGE_WAIT s, ends, removing
     # MPICH's files that only it still maps.
+    # A rank added while the computation runs then waits for context 0's
+    # plan: one interrupted in between left it waiting for ever too, so the
+    # watch goes on until the plan has come (no deadline: context 0 may be
+    # slow, but not gone).
     deadline = time.monotonic() + MERGE_WAIT
     while not merged.wait(0.2):
-        try:  # (ended: gone, or a zombie that its parent has not reaped yet)
-            with open(f"/proc/{spawner}/stat", "rb") as f:
-                gone = f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-        except OSError:
-            gone = True
-        if gone or time.monotonic() > deadline:
-            try:
-                with open("/proc/self/maps") as f:
-                    mine = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
-                remove_unused(sorted(mine), besides=os.getpid())
-            finally:
-                os._exit(1)
+        if _ended(spawner) or time.monotonic() > deadline:
+            _leave_orphaned()
+    while not _settled.wait(0.2):
+        if _ended(spawner):
+            _leave_orphaned()
+
+
+def _ended(pid: int) -> bool:  # pragma: no cover - in a rank
+    try:  # (ended: gone, or a zombie that its parent has not reaped yet)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def _leave_orphaned() -> None:  # pragma: no cover - in a rank
+    try:  # MPICH's files that only this rank still maps go with it
+        with open("/proc/self/maps") as f:
+            mine = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line}
+        remove_unused(sorted(mine), besides=os.getpid())
+    finally:
+        os._exit(1)
 
 
 def _hello_only(comm: Any) -> None:  # pragma: no cover - runs in a spawned rank
@@ -2540,6 +2558,7 @@ def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank adde
     _hello(parent)
     go = _poll_messages(parent, SETUP, 1, "waiting for context 0", None,
                         lambda have: "context 0")[0]
+    _settled.set()  # (its spawner, context 0, is heard from: see _orphan_watch)
     if go is None:
         return  # context 0 gave up on adding contexts
     marshal.main_by_value()  # it ran none of the program's script (see _serve)
