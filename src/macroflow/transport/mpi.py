@@ -2434,9 +2434,9 @@ def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no 
     # spawner has ended, or has not merged in MERGE_WAIT s, ends, removing
     # MPICH's files that only it still maps.
     # A rank added while the computation runs then waits for context 0's
-    # plan: one interrupted in between left it waiting for ever too, so the
-    # watch goes on until the plan has come (no deadline: context 0 may be
-    # slow, but not gone).
+    # plan and joins the live contexts: context 0 interrupted in between
+    # left it waiting (or spinning in MPI) for ever too, so the watch goes
+    # on until it has joined (no deadline: context 0 may be slow, but not gone).
     deadline = time.monotonic() + MERGE_WAIT
     while not merged.wait(0.2):
         if _ended(spawner) or time.monotonic() > deadline:
@@ -2558,13 +2558,13 @@ def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank adde
     _hello(parent)
     go = _poll_messages(parent, SETUP, 1, "waiting for context 0", None,
                         lambda have: "context 0")[0]
-    _settled.set()  # (its spawner, context 0, is heard from: see _orphan_watch)
     if go is None:
         return  # context 0 gave up on adding contexts
     marshal.main_by_value()  # it ran none of the program's script (see _serve)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inter = MPI.COMM_WORLD.Create_intercomm(0, parent, 0, GROW_TAG)
     comm = inter.Merge(high=True)
+    _settled.set()  # (joined: context 0's end is heard as any context's; see _orphan_watch)
     inter.Free()
     transport = MpiTransport(comm, go["spin_us"], wake=(go["computation"], go["hosts"]),
                              members=list(go["live"]) + list(go["ids"]),
