@@ -1641,12 +1641,12 @@ class Engine:
                     pass
                 elif bufs or len(data) > EAGER_MAX:
                     self._send_eager(call, True, data, bufs)
-                elif fid[0] == self.id:
-                    self.stats.values_sent += 1
-                    self.send_value(fid[0], (fid, None), True, data, [])  # (see there)
                 else:
                     self.stats.values_sent += 1
-                    self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
+                    if fid[0] == self.id:
+                        self.send_value(fid[0], (fid, None), True, data, [])  # (see there)
+                    else:  # send_value, inline
+                        self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
                 if slot.subs or slot.released:
                     self._complete(fid, slot, True, data, bufs)
                 else:  # _complete, inline: nobody else asked, not released yet
@@ -1667,11 +1667,7 @@ class Engine:
             if slot.subs:
                 subs, slot.subs = slot.subs, []
                 st = self.stats
-                me = self.id if self.relay_to is None else None
                 for dest, label in subs:
-                    if dest == me and label[1] is None and label[0] == fid \
-                            and self._local_value(fid, value, len(data) >= BIG_VALUE):
-                        continue  # asked for here: no frame to itself either
                     st.values_sent += 1
                     self.send_value(dest, label, True, data, [])
             return

@@ -255,8 +255,8 @@ class Future:
         # A future that travels inside a value (not as an arc) may be asked for
         # by its new holder at any time, so its home must keep the value.
         self._escaped = True
-        label = site_label(self._site) if self._site is not None else None
-        return (_rebuild, (self._fid, self._home, self._target, eng.computation, label or None))
+        return (_rebuild, (self._fid, self._home, self._target, eng.computation,
+                           site_label(self._site) or None))
 
     def __del__(self):
         try:
