@@ -549,7 +549,7 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
     code = 0
     try:
         while pids:
-            pid, status = os.wait()
+            pid, status = _wait_any()
             ctx = pids.pop(pid, None)
             if ctx is not None and status != 0:
                 code = 1
@@ -563,6 +563,32 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
         print("macroflow worker: interrupted; its contexts were stopped", file=out)
         return 130
     return code
+
+
+#: how long a context that failed stays a zombie before it is reaped: a
+#: peer of this host that saw its connection close reads how it ended from
+#: /proc meanwhile (it looks for 0.1 s); reaped at once, it read "has ended"
+#: for a context killed by a signal, in 4 of 6 runs
+ZOMBIE_HOLD = 0.5
+
+
+def _wait_any() -> Tuple[int, int]:
+    """Wait for a child to end and reap it: ``(pid, wait status)``, as
+    :func:`os.wait`; one that failed is reaped :data:`ZOMBIE_HOLD` seconds
+    after it ended.
+
+    Example:
+        >>> import subprocess, sys
+        >>> p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        >>> pid, status = _wait_any()
+        >>> pid == p.pid, os.waitstatus_to_exitcode(status)
+        (True, 3)
+        >>> p.returncode = 3  # (reaped here: Popen need not)
+    """
+    info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+    if info is not None and not (info.si_code == os.CLD_EXITED and info.si_status == 0):
+        time.sleep(ZOMBIE_HOLD)
+    return os.waitpid(info.si_pid if info is not None else -1, 0)
 
 
 def _node_key() -> str:
