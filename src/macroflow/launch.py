@@ -242,17 +242,26 @@ class Session:
             except KeyboardInterrupt:
                 # Ctrl-C while what main left behind runs: the computation
                 # ends as at any other Ctrl-C (it stayed running, said stopped)
-                with _sigint_ignored():
-                    self.close(grace=0.2)
+                self._interrupted()
                 raise
         if exc_type is KeyboardInterrupt:
-            # after Ctrl-C, waiting long for contexts that compute helps
-            # nobody; and a second Ctrl-C (a key pressed twice) is not to cut
-            # the teardown short, with a traceback from its middle
-            with _sigint_ignored():
-                self.close(grace=0.2)
+            self._interrupted()
         else:
             self.close(grace=2.0)
+
+    def _interrupted(self) -> None:
+        """Ctrl-C ended the computation: stop it, and say so in one line
+        (:func:`run` says it itself, once the Ctrl-C has reached it)."""
+        eng = self.engine
+        # with those added or joined; not those removed or lost before
+        n = self.size if eng is None else len(eng.context_ids())
+        # after Ctrl-C, waiting long for contexts that compute helps
+        # nobody; and a second Ctrl-C (a key pressed twice) is not to cut
+        # the teardown short, with a traceback from its middle
+        with _sigint_ignored():
+            self.close(grace=0.2)
+        if not self.in_run:
+            print(interrupted_line(n), file=sys.stderr)
 
     def _drain(self, grace: float) -> None:
         """The program ended in order: what context 0 sent itself (remote
@@ -1409,9 +1418,18 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
         eng = session.engine
         # with those added or joined; not those removed or lost before
         n = session.size if eng is None else len(eng.context_ids())
-        print(f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped",
-              file=sys.stderr)
+        print(interrupted_line(n), file=sys.stderr)
         raise
+
+
+def interrupted_line(n: int) -> str:
+    """What a computation of ``n`` contexts that Ctrl-C ended says.
+
+    Example:
+        >>> interrupted_line(3)
+        'macroflow: interrupted (Ctrl-C); all 3 contexts were stopped'
+    """
+    return f"macroflow: interrupted (Ctrl-C); all {n} contexts were stopped"
 
 
 def _run_async_main(coro: Any) -> Any:
