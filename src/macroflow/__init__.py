@@ -12,9 +12,12 @@ Everything public is re-exported here (and named in ``__all__``); nothing else
 lives in this file.
 """
 
-from .core.threads import import_quietly as _import_quietly  # noqa: I001 (first)
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-_import_quietly("numpy")  # (before anything else imports it: its BLAS threads block signals)
+from .core.threads import install_quiet_finder as _install_quiet_finder  # noqa: I001 (first)
+
+_install_quiet_finder()  # (numpy, imported by anyone later, starts BLAS threads that block signals)
 
 from .core.errors import CallError as CallError
 from .core.errors import CollectiveError as CollectiveError
@@ -64,27 +67,51 @@ from .objects.persistent import persistent as persistent
 from .objects.persistent import regular as regular
 from .objects.persistent import rtf as rtf
 
-from .spmd.collection import Collection as Collection
 from .spmd.collectives import allgather as allgather
 from .spmd.collectives import allreduce as allreduce
 from .spmd.collectives import barrier as barrier
 from .spmd.collectives import barrier_async as barrier_async
 from .spmd.collectives import broadcast as broadcast
 from .spmd.collectives import reduce as reduce
-from .spmd.memory import shared_empty as shared_empty
-from .spmd.memory import shared_full as shared_full
-from .spmd.memory import shared_zeros as shared_zeros
 from .spmd.model import Handle as Handle
-from .spmd.onesided import MemoryPointer as MemoryPointer
-from .spmd.onesided import get as get
-from .spmd.onesided import put as put
-from .spmd.onesided import register as register
-from .spmd.onesided import unregister as unregister
 from .spmd.program import rank as rank
 from .spmd.program import register_handler as register_handler
 from .spmd.program import remote_action as remote_action
 from .spmd.program import size as size
 from .spmd.program import spmd as spmd
+
+# Loaded when first asked for (PEP 562): their modules import numpy, which a
+# program that makes no array need not pay for (60% of this package's import)
+_LAZY = {
+    "Collection": "spmd.collection",
+    "shared_empty": "spmd.memory", "shared_full": "spmd.memory", "shared_zeros": "spmd.memory",
+    "MemoryPointer": "spmd.onesided", "get": "spmd.onesided", "put": "spmd.onesided",
+    "register": "spmd.onesided", "unregister": "spmd.onesided",
+}
+if _TYPE_CHECKING:
+    from .spmd.collection import Collection as Collection
+    from .spmd.memory import shared_empty as shared_empty
+    from .spmd.memory import shared_full as shared_full
+    from .spmd.memory import shared_zeros as shared_zeros
+    from .spmd.onesided import MemoryPointer as MemoryPointer
+    from .spmd.onesided import get as get
+    from .spmd.onesided import put as put
+    from .spmd.onesided import register as register
+    from .spmd.onesided import unregister as unregister
+
+
+def __getattr__(name: str) -> object:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'macroflow' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value  # (asked for once)
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -96,5 +123,5 @@ _install_excepthook()  # an uncaught error is printed without the runtime's fram
 
 # every name re-exported above ("from X import n as n"), and no submodule:
 # what `from macroflow import *` gives
-__all__ = sorted(n for n, v in list(globals().items())
-                 if not n.startswith("_") and type(v).__name__ != "module")
+__all__ = sorted({n for n, v in list(globals().items())
+                  if not n.startswith("_") and type(v).__name__ != "module"} | set(_LAZY))

@@ -97,11 +97,9 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-import numpy as _np
-
 from . import errors, marshal
 from .future import FINISHED, PENDING, Arrivals, CoroutineType, Future, run_coroutine, site_label, stale_future
-from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent
+from .threads import DONE, INTERRUPTS, PARKED, Pool, Waiter, Worker, getcurrent, numpy
 from .stats import Counters
 
 CALL, VALUE, FORWARD, RELEASE, RSR, SHUTDOWN, READY, FATAL, PROBE, MEMBERS, JOINED = range(11)
@@ -3581,7 +3579,7 @@ def _detached(bufs: List[Any]) -> List[Any]:
         # (numpy's memory: no zeroing, and huge pages, which fault far less;
         # bytearray(raw) took 13 ms for 16 MB here, this 2 to 5 ms; kept a
         # PickleBuffer, as the rest expects)
-        copy = _np.empty(raw.nbytes, _np.uint8)
+        copy = numpy().empty(raw.nbytes, "u1")
         memoryview(copy)[:] = raw
         out.append(pickle.PickleBuffer(copy))
     return out

@@ -21,12 +21,32 @@ import struct
 import sys
 import types
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import cloudpickle
-import numpy as np
 
 from .gptr import GlobalPointer
+from .threads import numpy, when_loaded
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class _NoArray:
+    """What :data:`_ndarray` is until numpy is loaded: no object's type."""
+
+
+# numpy's ndarray once numpy has loaded (macroflow does not load it: a
+# program that makes no array does not pay for its import)
+_ndarray: type = _NoArray
+
+
+def _numpy_loaded(module: Any) -> None:
+    global _ndarray
+    _ndarray = module.ndarray
+
+
+when_loaded("numpy", _numpy_loaded)
 
 # Below this a buffer is cheaper to copy into the stream than to carry apart.
 OOB_THRESHOLD = 32 * 1024
@@ -185,12 +205,13 @@ def _array(buf: Any, dtype: str, shape: Tuple[int, ...]) -> np.ndarray:
     """Rebuild an array pickled by :func:`_reduce_array` on its buffer (no copy).
 
     Example:
+        >>> import numpy as np
         >>> a = np.arange(6, dtype=">i4").reshape(2, 3)
         >>> b = loads(*dumps(a))
         >>> b.dtype.str, b.shape, bool((a == b).all())
         ('>i4', (2, 3), True)
     """
-    return np.frombuffer(buf, dtype).reshape(shape)
+    return numpy().frombuffer(buf, dtype).reshape(shape)
 
 
 # dtype -> its str if that names it exactly and it exports a buffer (a plain
@@ -204,6 +225,7 @@ def _dtype_name(dt: np.dtype) -> Optional[str]:
     are pickled as numpy pickles them (kept per dtype).
 
     Example:
+        >>> import numpy as np
         >>> _dtype_name(np.dtype(np.float64)), _dtype_name(np.dtype([("a", "i4")]))
         ('<f8', None)
     """
@@ -216,7 +238,7 @@ def _dtype_name(dt: np.dtype) -> Optional[str]:
 def _plain(dt: np.dtype) -> Optional[str]:
     name = dt.str
     if dt.kind not in "biufcSU" or dt.itemsize == 0 or dt.fields is not None or dt.subdtype is not None or \
-            dt.metadata is not None or np.dtype(name) != dt:
+            dt.metadata is not None or numpy().dtype(name) != dt:
         name = None
     _plain_dtypes[dt] = name
     return name
@@ -286,7 +308,7 @@ class _Pickler(pickle.Pickler):
     # messages pay for it only on their containers.
     def reducer_override(self, obj: Any) -> Any:
         t = type(obj)
-        if t is np.ndarray:
+        if t is _ndarray:
             return _reduce_array(obj)
         if t is GlobalPointer:
             return _reduce_pointer(obj)
@@ -306,6 +328,10 @@ class _Pickler(pickle.Pickler):
                         pass
                 filename = _source_file(obj)
                 return (_load_by_value, (blob,) if filename is None else (blob, filename))
+        elif _ndarray is _NoArray and t.__name__ == "ndarray" and "numpy" in sys.modules:
+            # numpy loaded without the finder that tells us (see when_loaded)
+            _numpy_loaded(sys.modules["numpy"])
+            return self.reducer_override(obj)
         return NotImplemented
 
 
@@ -416,6 +442,7 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
     lookup at each end, more than the rest of a small request.
 
     Example:
+        >>> import numpy as np
         >>> data, bufs = dumps_args((np.arange(3.0), "x"))
         >>> a, x = loads_args(data, bufs)
         >>> a.tolist(), x, a.flags.writeable
@@ -430,7 +457,7 @@ def dumps_args(args: tuple) -> Tuple[bytes, List[Any]]:
     i = 0
     for a in args:
         t = type(a)
-        if t is np.ndarray:
+        if t is _ndarray:
             key = (a.dtype, a.shape)
             d = _described.get(key)
             if d is None:
@@ -529,6 +556,7 @@ def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
         >>> g = GlobalPointer(1, "export", (1, 2), (), "c0ffee")
         >>> loads_args(*dumps_args((1, [2])))
         (1, [2])
+        >>> import numpy as np
         >>> loads_args(*dumps_args((g, np.zeros(2), {3})))
         (GlobalPointer(ctx=1, export=(1, 2), via=), array([0., 0.]), {3})
     """
@@ -555,7 +583,7 @@ def loads_args(data: Any, buffers: Sequence[Any] = ()) -> tuple:
             else:
                 buf = bytearray(mv[pos:pos + size])
                 pos += size
-            arr = np.frombuffer(buf, dt)
+            arr = numpy().frombuffer(buf, dt)
             out.append(arr if shape is None else arr.reshape(shape))
         elif kind == _POINTER:
             size = mv[pos + 1]
@@ -580,7 +608,7 @@ def _undescribe(desc: bytes, end: int) -> Tuple[np.dtype, Optional[tuple], int]:
     name = desc[2:end]
     dt = _dtypes.get(name)
     if dt is None:
-        dt = _dtypes[name] = np.dtype(name.decode())
+        dt = _dtypes[name] = numpy().dtype(name.decode())
     fields = _shape_struct(desc[end]).unpack_from(desc, end)
     shape = fields[1:-1]
     known = (dt, None if len(shape) == 1 else shape, fields[-1])

@@ -316,26 +316,103 @@ HANDLED_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signa
                              signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF})
 
 
-def import_quietly(name: str) -> None:
-    """Import module ``name`` with :data:`HANDLED_SIGNALS` blocked, if it is
-    not imported yet and this is the main thread: a module that starts
-    threads as it loads (numpy's BLAS) gives them this mask, so that they
-    never take a signal sent to the process. Taken by one, a signal did not
-    interrupt the main thread's wait (a SIGTERM to ``macroflow run`` waited
-    for the job to end), its handler ran only once that wait was over.
+#: modules loaded with :data:`HANDLED_SIGNALS` blocked, whoever imports them
+#: and whenever: numpy starts its BLAS threads as it loads, and a thread
+#: takes the signal mask of the thread that starts it
+QUIET_MODULES = frozenset({"numpy"})
+# module name -> what to call with the module once it has loaded
+_when_loaded: dict = {}
+
+
+class QuietFinder:
+    """The finder (first in :data:`sys.meta_path`) that has a module of
+    :data:`QUIET_MODULES` loaded with the handled signals blocked, so that
+    the threads it starts as it loads never take one: taken by a BLAS
+    thread, a SIGTERM did not interrupt the main thread's wait (one to
+    ``macroflow run`` waited for the job to end), and its handler ran only
+    once that wait was over. It finds nothing itself: it asks the finders
+    after it, and wraps the loader's ``exec_module`` of what they find.
 
     Example:
-        >>> import_quietly("json")
-        >>> import sys; "json" in sys.modules
+        >>> any(isinstance(f, QuietFinder) for f in sys.meta_path)  # (import macroflow put it there)
+        True
+        >>> QuietFinder().find_spec("json") is None
         True
     """
-    if name in sys.modules or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-    try:
-        __import__(name)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in QUIET_MODULES:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or isinstance(finder, QuietFinder) or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = getattr(spec.loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+            try:
+                run(module)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            for hook in _when_loaded.pop(name, ()):
+                hook(module)
+        try:
+            spec.loader.exec_module = exec_module
+        except AttributeError:
+            pass  # (a loader that takes no attribute: it loads as it would)
+        return spec
+
+
+def install_quiet_finder() -> None:
+    """Put a :class:`QuietFinder` first in :data:`sys.meta_path` (once).
+
+    Example:
+        >>> install_quiet_finder(); sum(isinstance(f, QuietFinder) for f in sys.meta_path)
+        1
+    """
+    if not any(isinstance(f, QuietFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, QuietFinder())
+
+
+def when_loaded(name: str, hook: Callable[[Any], None]) -> None:
+    """Call ``hook(module)`` once module ``name`` (one of :data:`QUIET_MODULES`)
+    has loaded: now if it has, else when it does.
+
+    Example:
+        >>> seen = []
+        >>> when_loaded("numpy", lambda m: seen.append(m.__name__))
+        >>> import numpy
+        >>> seen
+        ['numpy']
+    """
+    module = sys.modules.get(name)
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        hook(module)
+    else:
+        _when_loaded.setdefault(name, []).append(hook)
+
+
+def numpy() -> Any:
+    """numpy, imported the first time macroflow needs it (an array arrived,
+    say): a program that never makes an array does not pay for its import,
+    which was 60% of ``import macroflow``'s.
+
+    Example:
+        >>> numpy().zeros(2).tolist()
+        [0.0, 0.0]
+    """
+    np = sys.modules.get("numpy")
+    if np is None:
+        import numpy as np
+    return np
 
 
 def start_thread(target: Callable[..., Any], name: str, args: tuple = (),

@@ -18,13 +18,14 @@ how far it got and names those that did not arrive.
 
 from __future__ import annotations
 
+import numbers
 import operator
+import sys
 import time
 import zlib
 from threading import get_ident
 from typing import Any, Callable, List, Optional
 
-import numpy as np
 
 from ..core import errors
 from ..core.context import as_int, current_engine
@@ -45,17 +46,25 @@ QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us eac
 # in which the tree combined the values.
 
 def _min(a: Any, b: Any) -> Any:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.minimum(a, b)
-    if isinstance(a, (float, np.floating)) and a != a:
+    np = sys.modules.get("numpy")  # (no array nor numpy scalar without it)
+    if np is not None:
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return np.minimum(a, b)
+        if isinstance(a, np.floating) and a != a:
+            return a
+    if isinstance(a, float) and a != a:
         return a
     return a if a <= b else b
 
 
 def _max(a: Any, b: Any) -> Any:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.maximum(a, b)
-    if isinstance(a, (float, np.floating)) and a != a:
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return np.maximum(a, b)
+        if isinstance(a, np.floating) and a != a:
+            return a
+    if isinstance(a, float) and a != a:
         return a
     return a if a >= b else b
 
@@ -673,8 +682,8 @@ def _mismatch(c: Collective) -> Optional[errors.CollectiveError]:
 def _check_timeout(timeout: Any, name: str) -> None:
     # as result() does: TypeError for what is no number, ValueError for a number
     # that is no timeout (a collective's must be > 0: at 0 none could complete)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                             np.floating)):
+    # (numpy's integers and floats are numbers.Real too)
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{name}: timeout must be a number of seconds > 0, or None; "
                         f"got {timeout!r}")
     if not timeout > 0:

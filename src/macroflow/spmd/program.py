@@ -5,13 +5,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
-import numpy as np
 
 from ..core import errors, marshal
 from ..core.context import as_int, current_engine, positive_count
 from ..core.future import CallSite, Future, running_computation
 from ..core.threads import getcurrent
-from . import memory, shmbarrier
 from .collectives import _check_timeout
 from .model import HANDLERS, KIND, USAGE, Handle, _name, action_head, env_timeout, model_of
 
@@ -93,8 +91,9 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     # counters in shared memory for the run's barriers, used if every context
     # of the run can map them (the run's first barrier finds out)
     counters = region = None
+    from . import memory, shmbarrier  # (numpy: loaded with the first run)
     if size > 1 and shmbarrier.problem() is None:
-        counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), np.uint8)
+        counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), "u1")
         region = memory.describe(counters)
     # MPI's own collectives for one run at a time, started by context 0
     # (nested runs, or runs started elsewhere, go by messages): every context

@@ -64,9 +64,8 @@ from collections import deque
 from pickle import PickleBuffer
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-import numpy as _np
-
 from ..core.errors import LimitError
+from ..core.threads import numpy
 from . import ring as _ring
 from .base import Transport
 
@@ -449,11 +448,11 @@ class BufferPool:
 
     def __init__(self, limit: int = 256 << 20):
         self.limit = limit
-        self.bufs: List[_np.ndarray] = []
+        self.bufs: List[Any] = []  # numpy arrays
         self.held = 0
         self.reused = 0
 
-    def get(self, n: int) -> "_np.ndarray":
+    def get(self, n: int) -> Any:
         if n >= _POOL_MIN:
             for b in self.bufs:
                 # references: the list, the loop variable, getrefcount's argument
@@ -462,12 +461,12 @@ class BufferPool:
                     return b[:n]
             size = -(-n // _POOL_MIN) * _POOL_MIN
             if self.held + size <= self.limit:
-                b = _np.empty(size, dtype=_np.uint8)
+                b = numpy().empty(size, "u1")
                 self.bufs.append(b)
                 self.held += size
                 return b[:n]
         # numpy does not zero what it allocates, and asks for huge pages
-        return _np.empty(n, dtype=_np.uint8)
+        return numpy().empty(n, "u1")
 
 
 def _small_frame(parts: Sequence[object], load: int) -> Optional[bytes]:
@@ -528,7 +527,7 @@ class _Conn:
         self.nbufs = self.load = self.idx = 0
         self.lens: Sequence[int] = ()
         self.bufs: List[object] = []
-        self.big: Optional[_np.ndarray] = None
+        self.big: Optional[Any] = None  # a numpy array
         self.bigmv: Optional[memoryview] = None
         self.bigpos = 0
         self.outq: deque = deque()

@@ -73,7 +73,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
+from ..core.threads import numpy
 
 BELL, NAP = 0, 16  # word indexes in a host's first page: 128 bytes apart
 HEAD, TAIL = 0, 16  # word indexes at a ring's start
@@ -616,7 +616,7 @@ class BulkIn:
             raise ValueError(f"no bulk buffer of {n} bytes at {off} (slot {k}) "
                              f"in an area of {self.size}")
 
-    def take(self, k: int, off: int, n: int) -> np.ndarray:
+    def take(self, k: int, off: int, n: int) -> Any:
         """The ``n`` bytes at ``off`` that the writer gave in slot ``k``, as
         a writable uint8 array on the area (ValueError if out of bounds)."""
         self._check(k, off, n)
@@ -625,7 +625,7 @@ class BulkIn:
         x.area = self
         self.live += 1
         self.taken += 1
-        return np.frombuffer(x, np.uint8)
+        return numpy().frombuffer(x, "u1")
 
     def copy_out(self, k: int, off: int, n: int, into: Any) -> None:
         """Copy the ``n`` bytes at ``off`` that the writer gave in slot ``k``
