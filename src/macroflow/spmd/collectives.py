@@ -46,27 +46,23 @@ QUICK_LOOKS = 20  # times a waiting thread looks before it parks (about 1 us eac
 # in which the tree combined the values.
 
 def _min(a: Any, b: Any) -> Any:
-    np = sys.modules.get("numpy")  # (no array nor numpy scalar without it)
-    if np is not None:
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return np.minimum(a, b)
-        if isinstance(a, np.floating) and a != a:
-            return a
-    if isinstance(a, float) and a != a:
-        return a
-    return a if a <= b else b
+    return _pick(a, b, "minimum", operator.le)
 
 
 def _max(a: Any, b: Any) -> Any:
-    np = sys.modules.get("numpy")
+    return _pick(a, b, "maximum", operator.ge)
+
+
+def _pick(a: Any, b: Any, ufunc: str, keep_a: Callable[[Any, Any], bool]) -> Any:
+    np = sys.modules.get("numpy")  # (no array nor numpy scalar without it)
     if np is not None:
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return np.maximum(a, b)
+            return getattr(np, ufunc)(a, b)
         if isinstance(a, np.floating) and a != a:
             return a
     if isinstance(a, float) and a != a:
         return a
-    return a if a >= b else b
+    return a if keep_a(a, b) else b
 
 
 #: the named reduction operations (numpy arrays combine element by element)
