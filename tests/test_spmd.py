@@ -1192,6 +1192,43 @@ def test_barriers_in_flight_together_all_complete(transport, n):
     assert mf.spmd(overlapping_barriers, n=n, transport=transport, timeout=30) == list(range(n))
 
 
+def collectives_behind_unwaited_barriers(k):
+    import numpy as np
+    got = []
+    for i in range(k, k + 3):
+        f = mf.barrier_async()  # not waited for before the next
+        got.append(mf.allreduce(1.5))
+        g = mf.barrier_async()
+        got.append(float(mf.allreduce(np.full(2, i + mf.rank()), op="max")[1]))
+        f.result(timeout=20)
+        got.append(mf.allreduce(i, op="min"))
+        g.result(timeout=20)
+    mf.barrier()  # (every context entered as many barriers: none waits for one more)
+    return got
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_started_behind_a_barrier_not_waited_for_complete(run, transport, n):
+    # Under MPI, two ways to hang, both depending on timing (each run of an
+    # SPMD function a new chance):
+    # - with more ranks than cores, an allreduce behind a barrier not waited
+    #   for: ranks called MPI's collectives in different orders (the
+    #   allreduce's before the barrier's, or a later one's signature before
+    #   an earlier one's values);
+    # - the run's first barrier finds out whether the others go in shared
+    #   memory: a barrier started behind it went there where it had
+    #   completed, by messages where not, and from then on the contexts
+    #   counted barriers apart (the last barrier waited for ever).
+    def main():
+        return [mf.spmd(collectives_behind_unwaited_barriers, 3 * k, n=n, timeout=60)
+                for k in range(16)]
+
+    want = [[x for i in range(3 * k, 3 * k + 3) for x in (1.5 * n, float(i + n - 1), i)]
+            for k in range(16)]
+    assert run(main, contexts=n) == [[w] * n for w in want]
+
+
 def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
     res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")

@@ -1491,3 +1491,69 @@ def test_a_ctrl_c_while_adding_a_rank_leaves_no_rank_behind(tmp_path, after):
         q.kill()
     assert left == []
     assert not [f for f in M.mpich_shm_files() - before if not M.in_use(f)]
+
+
+class _Req:
+    """A request of the recording communicator: done at its ``after``-th Test."""
+
+    def __init__(self, after: int = 1):
+        self.after = after
+
+    def Test(self) -> bool:
+        self.after -= 1
+        return self.after <= 0
+
+
+class _RecordingComm:
+    """Records the collectives a rank starts, in order; the duplicate is
+    ready at its second Test, the signature at its first."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def Idup(self):
+        return _RecordingComm(self.calls), _Req(2)
+
+    def Get_size(self) -> int:
+        return 3
+
+    def Ibarrier(self):
+        self.calls.append("Ibarrier")
+        return _Req()
+
+    def Iallreduce(self, send, recv, op=None):
+        if len(send) == 3:  # the signature: every rank the same
+            recv[:] = send
+            self.calls.append("Iallreduce signature")
+        else:
+            recv[:] = send
+            self.calls.append("Iallreduce values")
+        return _Req()
+
+
+class _FakeMPI:
+    SUM = PROD = MIN = MAX = object()
+
+
+@pytest.mark.parametrize("tested_first", ["barrier", "allreduce", "both in turn"])
+def test_native_collectives_call_mpi_in_the_order_they_were_started(tested_first):
+    # MPI matches a communicator's collectives by the order each rank calls
+    # them: they were called at each one's first test, so a rank that tested
+    # an allreduce before the barrier started ahead of it (its duplicate
+    # communicator not ready at the barrier's first test) called them in
+    # another order than its peers, and every rank waited for ever
+    calls = []
+    natives = M.MpiCollectives(_FakeMPI, _RecordingComm(calls))
+    barrier = natives.start("barrier", None, None)
+    first = natives.start("allreduce", np.ones(4), "sum")
+    barrier.test()  # (the duplicate is not ready yet)
+    second = natives.start("allreduce", np.ones(2), "max")
+    order = {"barrier": [first, barrier, second], "allreduce": [second, first, barrier],
+             "both in turn": [first, second, barrier]}[tested_first]
+    while not all(op.done for op in order):
+        for op in order:
+            op.test()
+    assert calls == ["Ibarrier", "Iallreduce signature", "Iallreduce values",
+                     "Iallreduce signature", "Iallreduce values"]
+    assert first.result().tolist() == [1.0] * 4 and second.result().tolist() == [1.0] * 2
+    assert barrier.result() is None

@@ -159,6 +159,7 @@ class Collective:
                 # whether every context can use the counters in shared memory
                 self.value = 1 if run.counters is not None else 0
                 self.op = _min
+                run.probe = self
             elif run.shm is not None:
                 self.start_shared(run.shm)
                 return
@@ -477,7 +478,7 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
 
 
 def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root: int,
-           opname: Optional[str] = None) -> Collective:
+           opname: Optional[str] = None, timeout: Optional[float] = None) -> Collective:
     eng = current_engine(USAGE)
     model = model_of(eng)
     run = model.current_run(name)
@@ -490,6 +491,16 @@ def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root
     root = r
     if model.puts_out:
         _land_puts(eng, model)
+    probe = run.probe
+    if kind == "barrier" and probe is not None and not probe.future._state:
+        # Every context takes the path the run's first barrier found for the
+        # barriers after it, so none starts before that is known here: one
+        # started behind a first barrier_async() not yet complete went by
+        # messages where it had completed, in shared memory where it had, and
+        # from then on each context counted barriers of its own (one waited
+        # for ever at the end; every barrier before it completed one early).
+        # (Waited for as a collective is: a mismatch or a timeout is said.)
+        _wait(probe, timeout)
     return engine_side(eng, _begin, model, run, kind, name, value, op, root, opname)
 
 
@@ -767,7 +778,7 @@ def barrier(timeout: Optional[float] = None) -> None:
         run = model.current_run("mf.barrier()")  # (which says what is wrong)
     shm = run.shm
     if shm is None or shm is _UNKNOWN:
-        _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0), timeout)
+        _wait(_enter("barrier", "mf.barrier()", None, _nothing, 0, timeout=timeout), timeout)
         return
     if model.puts_out:
         _land_puts(eng, model)

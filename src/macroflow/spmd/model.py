@@ -266,7 +266,7 @@ class Run:
     __slots__ = ("ident", "size", "rank", "timeout", "entered", "colls", "early", "ended",
                  "failed", "aborted", "status", "status_wait", "call_fid", "natives", "counters",
                  "shm",
-                 "signature", "offered", "told", "last")
+                 "signature", "offered", "told", "last", "probe")
 
     def __init__(self, ident: Any, size: int, rank: int, timeout: Optional[float]):
         self.ident = ident
@@ -289,6 +289,9 @@ class Run:
         self.counters: Any = None  # this context's view of the run's barrier counters
         self.shm: Any = _UNKNOWN  # the ShmBarrier every context can use, or None
         self.offered = False  # barriers go in shared memory if every context can map it
+        # the run's first barrier, by messages, while it finds out whether the
+        # barriers after it go in shared memory (see collectives._enter)
+        self.probe: Any = None
         self.told = False  # `failed` is another context's failure, which it told everyone
         self.signature = 0  # a CRC of the collectives entered, kinds and roots, in order
         self.last = ""  # the last collective entered, as errors name it

@@ -3196,6 +3196,9 @@ class MpiCollectives:
         self.dup: Any = None
         self.started = 0  # collectives started on it: each rank's count, matched in order
         self.pending: List["NativeCollective"] = []  # started, not yet seen complete
+        # started, with MPI calls still to make: made in this order (see advance)
+        self.unissued: List["NativeCollective"] = []
+        self.busy = False  # in advance() or a test's MPI call
 
     def unfinished(self) -> Tuple[int, List[Tuple[int, tuple]]]:
         """How many collectives this rank started, and (index, spec) of those
@@ -3245,7 +3248,39 @@ class MpiCollectives:
         c = NativeCollective(self, kind, value, op, self.started)
         self.started += 1
         self.pending.append(c)
+        self.unissued.append(c)
         return c
+
+    def advance(self) -> None:
+        """Make the MPI calls the collectives started here can make now, in
+        the order they were started: MPI matches a communicator's
+        collectives by the order each rank calls them, and an allreduce
+        calls MPI twice (its signature, then its values, once the signature
+        is known). Issued as each was first tested, a rank with an
+        allreduce started behind a barrier it had not waited for called
+        ``Iallreduce`` before ``Ibarrier`` (the duplicate communicator was
+        not ready at the barrier's first test), or a later collective's
+        signature before the earlier one's values: every rank then waited
+        for ever (3 ranks on 2 cores, most runs)."""
+        if self.busy:
+            return  # (called again from a signal, in the middle of it: see NativeCollective.test)
+        self.busy = True
+        try:
+            if self.comm is None:
+                self.comm, self.dup = self.parent.Idup()
+            if self.dup is not None:
+                if not self.dup.Test():
+                    return
+                self.dup = None
+            n = 0
+            for c in self.unissued:
+                if not c.issue():
+                    break  # (the ones behind it wait for it)
+                n += 1
+            if n:
+                del self.unissued[:n]
+        finally:
+            self.busy = False
 
 
 class NativeCollective:
@@ -3253,7 +3288,7 @@ class NativeCollective:
     makes progress and says whether it is done; ``result()`` then."""
 
     __slots__ = ("owner", "kind", "value", "op", "index", "req", "out", "done", "sig",
-                 "fallback", "back", "testing")
+                 "fallback", "back", "issued")
 
     def __init__(self, owner: MpiCollectives, kind: str, value: Any, op: Any, index: int):
         self.owner = owner
@@ -3269,7 +3304,7 @@ class NativeCollective:
         # rank): the run's tree reduces it instead, on every rank
         self.fallback = False
         self.back: Any = None  # what turns the reduced array into the value's type
-        self.testing = False  # in test(), which the service may call again from a signal
+        self.issued = False  # every MPI call it makes has been made
 
     def spec(self) -> tuple:
         """(kind, dtype, shape, op): enough for another rank to join it."""
@@ -3280,55 +3315,58 @@ class NativeCollective:
     def test(self) -> bool:
         if self.done:
             return True
-        if self.testing:
+        owner = self.owner
+        if owner.busy:
             # called from a signal handler (the service mechanism) in the
-            # middle of this very test: between the signature's end and the
+            # middle of a test: between the signature's end and the
             # reduction's start it would take the finished signature for the
             # reduction, and the output (the rank's own input, as MPI had
             # copied it so far) for the result
             return False
-        self.testing = True
+        if not self.issued:
+            owner.advance()
+            if not self.issued:
+                return False
+        if self.fallback:
+            self.done = True
+            return True
+        owner.busy = True
         try:
-            return self._test()
-        finally:
-            self.testing = False
-
-    def _test(self) -> bool:
-        owner = self.owner
-        if self.req is None:
-            if owner.comm is None:
-                owner.comm, owner.dup = owner.parent.Idup()
-            if owner.dup is not None:
-                if not owner.dup.Test():
-                    return False
-                owner.dup = None
-            MPI = owner.MPI
-            if self.kind == "barrier":
-                self.req = owner.comm.Ibarrier()
-            else:
-                self.req = owner.comm.Iallreduce(*self._signature(), op=MPI.MAX)
-        if not self.req.Test():
-            return False
-        if self.sig is not None:
-            got = self.sig[1]
-            self.sig = None
-            if got[0] != -got[1] or got[2]:
-                self.fallback = True
-                self.done = True
-                return True
-            import numpy as np
-            MPI = owner.MPI
-            v = self.value  # (_signature made it an array MPI can reduce)
-            if not v.flags.c_contiguous or not v.dtype.isnative:
-                v = np.ascontiguousarray(v, v.dtype.newbyteorder("="))
-            self.out = np.empty_like(v)
-            ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-            self.req = owner.comm.Iallreduce(v, self.out, op=ops[self.op])
             if not self.req.Test():
                 return False
+        finally:
+            owner.busy = False
         if self.back is not None:
             self.out = self.back(self.out)
         self.done = True
+        return True
+
+    def issue(self) -> bool:
+        """Make its next MPI call if it can (see :meth:`MpiCollectives.advance`);
+        True once it has made every one."""
+        owner = self.owner
+        MPI = owner.MPI
+        if self.req is None:
+            if self.kind == "barrier":
+                self.req = owner.comm.Ibarrier()
+                self.issued = True
+                return True
+            self.req = owner.comm.Iallreduce(*self._signature(), op=MPI.MAX)
+        if not self.req.Test():
+            return False
+        got = self.sig[1]
+        self.sig = None
+        self.issued = True
+        if got[0] != -got[1] or got[2]:
+            self.fallback = True
+            return True
+        import numpy as np
+        v = self.value  # (_signature made it an array MPI can reduce)
+        if not v.flags.c_contiguous or not v.dtype.isnative:
+            v = np.ascontiguousarray(v, v.dtype.newbyteorder("="))
+        self.out = np.empty_like(v)
+        ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self.req = owner.comm.Iallreduce(v, self.out, op=ops[self.op])
         return True
 
     def _signature(self) -> tuple:
