@@ -1557,3 +1557,53 @@ def test_native_collectives_call_mpi_in_the_order_they_were_started(tested_first
                      "Iallreduce signature", "Iallreduce values"]
     assert first.result().tolist() == [1.0] * 4 and second.result().tolist() == [1.0] * 2
     assert barrier.result() is None
+
+
+STOPPED_IN_A_COLLECTIVE = """
+    import os, sys, time
+    import macroflow as mf
+
+    def main(flags):
+        if mf.rank() == 1:
+            open(os.path.join(flags, "1"), "w").close()
+            time.sleep(60)  # computes: never joins the barrier
+        f = mf.barrier_async()  # MPI's own (MACROFLOW_SHM_BARRIER=0)
+        open(os.path.join(flags, str(mf.rank())), "w").close()
+        f.result()
+
+    try:
+        mf.spmd(main, sys.argv[1], n=2, transport="mpi")
+    finally:
+        print("finally ran", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, -signal.SIGINT)])
+def test_a_signal_while_a_rank_waits_in_an_mpi_collective_another_never_joins(tmp_path, sig,
+                                                                                status):
+    # the disconnection waited 10 s for the collective to end (it cannot),
+    # and the process then ended with status 0 after SIGTERM (130 after Ctrl-C)
+    script, flags = tmp_path / "job.py", tmp_path / "flags"
+    flags.mkdir()
+    script.write_text(textwrap.dedent(STOPPED_IN_A_COLLECTIVE))
+    p = subprocess.Popen([sys.executable, str(script), str(flags)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env=_env({"MACROFLOW_SHM_BARRIER": "0"}))
+    try:
+        deadline = time.monotonic() + 60
+        while sorted(os.listdir(flags)) != ["0", "1"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(os.listdir(flags)) == ["0", "1"]
+        t = time.monotonic()
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == status, err
+    assert "finally ran" in out
+    assert "collective that another context never joined is still pending" in err, err
+    assert took < 8.0, (took, err)

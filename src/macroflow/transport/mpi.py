@@ -682,6 +682,9 @@ _broken: Optional[str] = None
 
 
 _exit_code: List[Any] = []  # what sys.exit was called with, once MPI here is broken
+# the exception on its way out when MPI here broke (a Ctrl-C, an mf.Terminated
+# raised by SIGTERM): what the process ends with, if nothing else is said
+_ending: List[BaseException] = []
 
 
 DISCONNECT_WAIT = 10.0  # seconds a disconnection from spawned ranks may take
@@ -736,12 +739,18 @@ def _end_without_finalize() -> None:
     crash (SIGSEGV, measured with MPICH 4): so :func:`_at_exit` ends the
     process first, with the exit code Python would give it."""
     previous = sys.exit
+    on_its_way = sys.exc_info()[1]
+    if on_its_way is not None:
+        _ending[:] = [on_its_way]
+    if getattr(previous, "_macroflow", False):
+        return
 
     def exiting(code: Any = None) -> None:
         _exit_code[:] = [code]
         previous(code)
 
-    sys.exit = exiting  # (a bare `raise SystemExit(n)` exits with 0 or 1 here)
+    exiting._macroflow = True  # type: ignore[attr-defined]
+    sys.exit = exiting
 
 
 def _at_exit() -> None:  # pragma: no cover - ends the process
@@ -763,11 +772,23 @@ def _at_exit() -> None:  # pragma: no cover - ends the process
             os.unlink(path)
         except OSError:
             pass
-    last = getattr(sys, "last_value", None)
+    # (an uncaught SystemExit, mf.Terminated's 143 say, never reaches
+    # sys.last_value: it is the exception MPI broke under, if any)
+    last = getattr(sys, "last_value", None) or (_ending[0] if _ending else None)
     if _exit_code:
         code = _exit_code[0]
         code = 0 if code is None else code if isinstance(code, int) else 1
+    elif isinstance(last, SystemExit):
+        code = last.code
+        code = 0 if code is None else code if isinstance(code, int) else 1
     elif isinstance(last, KeyboardInterrupt):
+        # as Python ends on an uncaught Ctrl-C: killed by SIGINT, so that a
+        # shell running it as a loop stops too
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except Exception:
+            pass
         code = 128 + signal.SIGINT
     else:
         code = 1 if last is not None else 0
@@ -2182,10 +2203,21 @@ class MpiTransport(Transport):
         self._close_rings()
         if self.waker is not None:
             self.waker.close()
+        # A collective of MPI's still pending now is one that some rank never
+        # joined (it was stopped inside its function, at a Ctrl-C, while
+        # this one waited): no disconnection can end while it is pending, so
+        # none is waited for (the 10 s of DISCONNECT_WAIT, each time)
+        stranded = self._natives is not None and bool(self._natives.pending)
         if self._natives is not None:
             self._natives.close()
         if self._window is not None:
             self._window.close()
+        if stranded and self.release and not self.broken:
+            print(f"macroflow: context {self.ctx}: an MPI collective that another context "
+                  f"never joined is still pending; this process ends without MPI_Finalize",
+                  file=sys.stderr)
+            self.broken = True
+            _disconnect_given_up()
         for c in self.release:
             try:
                 if self.broken:
