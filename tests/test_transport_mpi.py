@@ -1607,3 +1607,61 @@ def test_a_signal_while_a_rank_waits_in_an_mpi_collective_another_never_joins(tm
     assert "finally ran" in out
     assert "collective that another context never joined is still pending" in err, err
     assert took < 8.0, (took, err)
+
+
+INTERRUPTED_AT_SPAWN = """
+    import contextlib, os, signal, time
+    import macroflow as mf
+    from macroflow.transport import mpi
+
+    def ranks():  # the ranks this process spawned
+        out = []
+        for d in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    line = f.read()
+            except OSError:
+                continue
+            if b"_spawned(" in line and f", {os.getpid()})".encode() in line:
+                out.append(int(d))
+        return out
+
+    before = mpi.mpich_shm_files()
+    real = mpi._own_process_group
+
+    @contextlib.contextmanager
+    def ctrl_c_as_spawned():
+        with real():
+            yield
+        os.kill(os.getpid(), signal.SIGINT)  # as if Ctrl-C came while MPI started them
+
+    mpi._own_process_group = ctrl_c_as_spawned
+    try:
+        mf.init(contexts=3, transport="mpi")
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+    mpi._own_process_group = real
+    deadline = time.monotonic() + 20
+    while ranks() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print("ranks left:", len(ranks()))
+    own = {f"/dev/shm/mpich_shm_{os.getpid():x}_0"}
+    print("files left:", sorted(mpi.mpich_shm_files() - before - own))
+    print("then:", mf.run(mf.num_contexts, contexts=2, transport="mpi"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_while_mpi_spawns_the_ranks_sends_them_away(tmp_path):
+    # the Ctrl-C was raised as MPI's spawn returned, its intercommunicator
+    # lost: the ranks waited as long as the process lived, and MPI's process
+    # manager killed them at its end, leaving 2 MB in /dev/shm each time
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(INTERRUPTED_AT_SPAWN))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=100, env=_env(), start_new_session=True)
+    assert p.returncode == 0, p.stderr
+    said = [line for line in p.stdout.splitlines() if "UCX" not in line]  # (MPI's own warnings)
+    assert said == ["interrupted", "ranks left: 0", "files left: []", "then: 2"], p.stderr
+

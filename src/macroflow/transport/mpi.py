@@ -2276,11 +2276,13 @@ def _record(parts: Sequence[object], load: int) -> Optional[bytes]:
 # -- starting ranks ------------------------------------------------------------
 
 def _poll_messages(comm: Any, tag: int, count: int, what: str, timeout: Optional[float],
-                   waiting_for: Callable[[Set[int]], str]) -> Dict[int, Any]:
+                   waiting_for: Callable[[Set[int]], str],
+                   into: Optional[Dict[int, Any]] = None) -> Dict[int, Any]:
     """Receive one pickled message of ``tag`` from each of ``count`` ranks,
-    sleeping between polls (a blocking receive would spin a core)."""
+    sleeping between polls (a blocking receive would spin a core), into
+    ``into`` (a new dict by default), which it returns."""
     MPI = mpi()
-    got: Dict[int, Any] = {}
+    got: Dict[int, Any] = {} if into is None else into
     status = MPI.Status()
     start = time.monotonic()
     told = False
@@ -2339,13 +2341,24 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
     sys.stdout.flush()
     sys.stderr.flush()
     before = mpich_shm_files()
-    with _own_process_group():
-        inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
-    comm = inter.Merge(high=False)
-    _spawn_segments.update(mpich_shm_files() - before)
-    hellos = _poll_messages(comm, HELLO, count, f"starting {count} MPI ranks", timeout,
-                            lambda have: "ranks " + ", ".join(
-                                str(r) for r in range(1, count + 1) if r not in have))
+    inter = comm = None
+    hellos: Dict[int, Any] = {}
+    try:
+        # A Ctrl-C in MPI's spawn or merge was raised as it returned, and its
+        # communicator lost with it (the ranks could not be sent away): its
+        # handler runs once both have returned (neither could be interrupted)
+        with _sigint_later():
+            with _own_process_group():
+                inter = MPI.COMM_SELF.Spawn(sys.executable, args=["-c", code], maxprocs=count)
+            comm = inter.Merge(high=False)
+        _spawn_segments.update(mpich_shm_files() - before)
+        _poll_messages(comm, HELLO, count, f"starting {count} MPI ranks", timeout,
+                       lambda have: "ranks " + ", ".join(
+                           str(r) for r in range(1, count + 1) if r not in have), into=hellos)
+    except KeyboardInterrupt:
+        if inter is not None and entry.endswith((":_serve_spawned", ":_serve_added")):
+            _send_away(inter, comm, count, hellos)
+        raise
     errors = {r: h[1] for r, h in hellos.items() if h[0] == "error"}
     if errors:
         try:
@@ -2356,6 +2369,65 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
         r, text = sorted(errors.items())[0]
         raise RuntimeError(f"spawned rank {r} could not start ({entry}):\n{text}")
     return inter, comm, {r: (h[1], h[2]) for r, h in hellos.items()}
+
+
+@contextlib.contextmanager
+def _sigint_later() -> Any:
+    """Run SIGINT's handler (Ctrl-C's KeyboardInterrupt) when the block
+    ends, not in it (in the main thread; elsewhere Python runs no handler).
+
+    Example:
+        >>> try:
+        ...     with _sigint_later():
+        ...         os.kill(os.getpid(), signal.SIGINT)
+        ...         said = "the block ran to its end"
+        ... except KeyboardInterrupt:
+        ...     print(said, "then Ctrl-C")
+        the block ran to its end then Ctrl-C
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def _send_away(inter: Any, comm: Any, count: int, hellos: Dict[int, Any]) -> None:
+    """Ctrl-C while ``count`` ranks start: tell them the computation will
+    not start (a setup of None), so that they leave MPI in order, and
+    disconnect from them. Left waiting, they lived as long as this process
+    (an interactive one: for ever), and MPI's process manager killed them
+    at its end, which left their shared-memory files in /dev/shm (2 MB
+    each, every time)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second Ctrl-C: not in the middle)
+    try:
+        if comm is None:
+            comm = inter.Merge(high=False)
+        # their hellos first: one left unreceived stayed in MPI's queue, where
+        # the next computation's first receive took it (MPI reuses the
+        # communicator's context id): "Invalid rank 2" from a job of 2 ranks
+        _poll_messages(comm, HELLO, count, f"sending {count} starting MPI ranks away",
+                       DISCONNECT_WAIT, lambda have: "ranks", into=hellos)
+        reqs = [comm.isend(None, dest=r, tag=SETUP) for r in range(1, count + 1)]
+        deadline = time.monotonic() + DISCONNECT_WAIT
+        while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for c in (comm, inter):
+            if not disconnect(c, 0):
+                break
+    except Exception:
+        pass  # (MPI refused: they end with this process, as before)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -2436,8 +2508,8 @@ def _spawned(entry: str, watch: Optional[str] = None,
         start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner, merged))
     comm = parent.Merge(high=True)
     merged.set()
-    if not entry.endswith(":_serve_added"):
-        _settled.set()  # (an added rank waits for its plan first: see _serve_added)
+    if not entry.endswith((":_serve_added", ":_serve_spawned")):
+        _settled.set()  # (a served rank waits for its setup first: see _serve)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
     try:
         import importlib
@@ -2465,10 +2537,11 @@ def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no 
     # does, and they waited in the merge for ever, spinning. A rank whose
     # spawner has ended, or has not merged in MERGE_WAIT s, ends, removing
     # MPICH's files that only it still maps.
-    # A rank added while the computation runs then waits for context 0's
-    # plan and joins the live contexts: context 0 interrupted in between
-    # left it waiting (or spinning in MPI) for ever too, so the watch goes
-    # on until it has joined (no deadline: context 0 may be slow, but not gone).
+    # A rank then waits for context 0's setup (one added while the
+    # computation runs, for its plan, and joins the live contexts): context 0
+    # interrupted in between left it waiting (or spinning in MPI) for ever
+    # too, so the watch goes on until it has its setup (no deadline: context
+    # 0 may be slow, but not gone).
     deadline = time.monotonic() + MERGE_WAIT
     while not merged.wait(0.2):
         if _ended(spawner) or time.monotonic() > deadline:
@@ -2524,6 +2597,9 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
         _hello(comm)
     setup = _poll_messages(comm, SETUP, 1, "waiting for context 0", None,
                            lambda have: "context 0")[0]
+    _settled.set()  # (its spawner's end is heard as any context's from here: see _orphan_watch)
+    if setup is None:
+        return  # context 0 was interrupted as this rank started (see _send_away)
     if spawned:
         # this process ran none of the program's script: what its __main__
         # defined comes by value, and goes on by value (to a third context)
