@@ -810,8 +810,31 @@ def test_put_takes_bytes_like_data_whose_items_are_the_memorys(transport):
     assert errs["items of another type"] == ("TypeError: mf.put(): data has dtype uint32, the "
                                              "pointer's memory holds uint8 (no conversion is made: "
                                              "convert it first)")
-    assert errs["out of range"].startswith("TypeError: mf.put(): data cannot be made 4 elements "
-                                           "of uint8: Python integer 300 out of bounds")
+    assert errs["out of range"] == ("TypeError: mf.put(): data holds an int that uint8 memory "
+                                    "cannot hold (0..255)")
+
+
+def puts_of_big_ints():
+    floats, ints = np.zeros(2), np.zeros(2, dtype=np.int64)
+    to_floats, to_ints = mf.register(floats), mf.register(ints)
+    errs = []
+    mf.put(to_floats[0:1], 10**30).wait()  # beyond 64 bits: rounded, as beyond 2**53
+    mf.put(to_floats, [1, 2**70]).wait()
+    for data in (10**30, 2**63, [1, -2**64]):
+        try:
+            mf.put(to_ints[0:1] if type(data) is int else to_ints, data).wait()
+            errs.append("accepted")
+        except TypeError as e:
+            errs.append(str(e))
+    return floats.tolist(), errs
+
+
+def test_a_put_of_an_int_beyond_64_bits_is_rounded_into_floats_and_refused_by_ints(transport):
+    # (an int beyond 64 bits was refused as "values numpy keeps as object")
+    floats, errs = mf.spmd(puts_of_big_ints, n=1, transport=transport)[0]
+    assert floats == [1.0, float(2**70)]
+    assert errs == ["mf.put(): data holds an int that int64 memory cannot hold "
+                    "(-9223372036854775808..9223372036854775807)"] * 3
 
 
 def test_collectives_outside_a_run_say_where_they_belong():

@@ -393,7 +393,9 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
             _check_lossless(data, dt)
             try:
                 arr = np.asarray(data, dtype=dt)
-            except (TypeError, ValueError, OverflowError) as e:
+            except OverflowError:
+                raise TypeError(_too_big(dt)) from None
+            except (TypeError, ValueError) as e:
                 raise TypeError(f"mf.put(): data cannot be made {_elements(len(gp))} of {dt}: "
                                 f"{e}") from None
     _check_array(arr, gp, "put", "data")
@@ -421,6 +423,12 @@ def _check_lossless(data: Any, dt: np.dtype) -> None:
     except (TypeError, ValueError, OverflowError):
         return  # (np.asarray with the memory's dtype says what is wrong)
     kind, to = given.kind, np.dtype(dt).kind
+    if kind == "O" and _big_ints(data):
+        # ints beyond 64 bits, which numpy keeps as objects: a float rounds
+        # them, as it rounds any int beyond 2**53; an integer cannot hold them
+        if to in "fc":
+            return
+        raise TypeError(_too_big(dt))
     if kind in "OSU" or (kind == "V" and to != "V"):
         # None would be stored as NaN, "7" as 7: numpy converts what is no number
         raise TypeError(f"mf.put(): data holds {_what(data, given)}, not numbers; put numbers, "
@@ -428,6 +436,33 @@ def _check_lossless(data: Any, dt: np.dtype) -> None:
     if (kind in "fc" and to in "iub") or (kind == "c" and to == "f"):
         raise TypeError(f"mf.put(): data holds {given} values, which {dt} "
                         f"memory would cut short; convert them first if that is what you mean")
+
+
+def _too_big(dt: Any) -> str:
+    """The error of a put of an int that memory of ``dt`` cannot hold.
+
+    Example:
+        >>> _too_big(np.dtype("int8"))
+        'mf.put(): data holds an int that int8 memory cannot hold (-128..127)'
+    """
+    dt = np.dtype(dt)
+    span = f" ({np.iinfo(dt).min}..{np.iinfo(dt).max})" if dt.kind in "iu" else ""
+    return f"mf.put(): data holds an int that {dt} memory cannot hold{span}"
+
+
+def _big_ints(data: Any) -> bool:
+    """Whether ``data`` (a number, or nested sequences of them) holds only
+    Python ints, one at least beyond what numpy keeps in 64 bits.
+
+    Example:
+        >>> _big_ints(10**30), _big_ints([10**30, 1]), _big_ints([10**30, None]), _big_ints([1])
+        (True, True, False, False)
+    """
+    try:
+        flat = np.asarray(data, dtype=object).ravel().tolist()
+    except (TypeError, ValueError):
+        return False
+    return all(type(x) is int for x in flat) and any(not -2**63 <= x < 2**64 for x in flat)
 
 
 def _what(data: Any, given: np.dtype) -> str:
