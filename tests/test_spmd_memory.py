@@ -506,3 +506,9 @@ def test_shared_memory_larger_than_can_be_mapped_is_refused_clearly():
     with pytest.raises(MemoryError, match=r"shared_empty: cannot map 8000000000000000 bytes "
                                           r"\(shape \(1000000000000000,\) of float64\)"):
         memory.shared_zeros(10 ** 15)
+    # one a lazy mapping would have taken: written to past the host's memory,
+    # the process died of SIGBUS
+    with pytest.raises(MemoryError, match=r"cannot map 80000000000000 bytes \(shape "
+                                          r"\(10000000000000,\) of float64\): more than this "
+                                          r"host's memory \(\d+ bytes\)"):
+        memory.shared_zeros(10 ** 13)

@@ -154,6 +154,19 @@ def _check_shape(shape: Any) -> Tuple[Tuple[int, ...], int]:
     return shape, count
 
 
+def _host_memory() -> int:
+    """This host's physical memory in bytes (0 if it cannot be told).
+
+    Example:
+        >>> _host_memory() > 0
+        True
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
 def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
     """A new C-ordered array whose memory other processes on this host can map.
 
@@ -167,6 +180,9 @@ def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
     Args:
         shape: an int or a tuple of ints.
         dtype: anything ``numpy.dtype`` accepts.
+
+    Raises:
+        MemoryError: it is larger than this host's memory, or cannot be mapped.
 
     Example:
         >>> import macroflow as mf
@@ -189,6 +205,13 @@ def shared_empty(shape: Any, dtype: Any = float) -> np.ndarray:
     if nbytes >= 2 ** 63:
         raise ValueError(f"shared_empty: shape {shape} of {dtype} is {nbytes} bytes, more than "
                          f"any process can map")
+    ram = _host_memory()
+    if ram and nbytes > ram:
+        # mapped lazily, it was made; a process writing past what the host
+        # has would have died of SIGBUS, not had a MemoryError (numpy's
+        # np.zeros refuses such a size at once)
+        raise MemoryError(f"shared_empty: cannot map {nbytes} bytes (shape {shape} of {dtype}): "
+                          f"more than this host's memory ({ram} bytes)")
     fd = os.memfd_create("macroflow-shared", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
