@@ -2209,7 +2209,7 @@ def test_typed_buffers_register_with_their_type_and_numpy_scalars_put_as_numbers
     # float64 memory was refused while 3 and [np.int64(3)] were taken
     assert mf.spmd(typed_buffers_and_numpy_scalars, n=1, transport=transport) == [
         (["float64", "int32", "uint8"], 3, [5.0, 2.0, 3.0], [3.0, 2.5],
-         ["data holds", "data canno"])]
+         ["data holds", "data holds"])]  # (the second: "an int that int32 memory cannot hold")
 
 
 @mf.persistent
