@@ -3442,12 +3442,12 @@ class NativeCollective:
         try:
             if not self.req.Test():
                 return False
+            if self.back is not None:
+                self.out = self.back(self.out)
+            self.done = True
+            return True
         finally:
             owner.busy = False
-        if self.back is not None:
-            self.out = self.back(self.out)
-        self.done = True
-        return True
 
     def issue(self) -> bool:
         """Make its next MPI call if it can (see :meth:`MpiCollectives.advance`);
