@@ -1252,6 +1252,35 @@ def test_collectives_started_behind_a_barrier_not_waited_for_complete(run, trans
     assert run(main, contexts=n) == [[w] * n for w in want]
 
 
+def _set_cores(cores):
+    from macroflow.spmd import model
+    was, model.CORES = model.CORES, cores.get(mf.rank(), model.CORES)
+    return was
+
+
+def _barriers_in_a_row():
+    f = mf.barrier_async()
+    mf.barrier()
+    f.result(timeout=20)
+    return [mf.allreduce(mf.rank()) for _ in range(3)] + [mf.barrier() for _ in range(3)]
+
+
+@pytest.mark.timeout(120)
+def test_every_context_takes_the_barrier_path_the_runs_starter_chose(run, transport):
+    # each context chose shared memory or MPI's barrier by its own core
+    # count: a context of a host with fewer cores than the run has contexts
+    # waited in MPI's barrier while the other found out about shared memory
+    # by messages, and both waited for ever
+    def main():
+        was = mf.spmd(_set_cores, {1: 1}, n=2)  # context 1 as on a host of one core
+        try:
+            return mf.spmd(_barriers_in_a_row, n=2, timeout=30)
+        finally:
+            mf.spmd(_set_cores, dict(enumerate(was)), n=2)
+
+    assert run(main, contexts=2) == [[1, 1, 1, None, None, None]] * 2
+
+
 def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MACROFLOW_SHM_BARRIER", "0")
     res = mf.spmd(nobody_passes_early, 50, n=2, transport="local")

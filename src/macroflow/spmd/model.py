@@ -607,12 +607,9 @@ class SpmdModel(Model):
             run.natives = None
         run.call_fid = fid
         self.onesided = env_onesided()  # a bad value fails the run at its start, everywhere
-        # under MPI too, when the run has no more contexts than cores: measured
-        # (2 ranks on one host), a barrier in shared memory took 7.5 us and
-        # MPI's Ibarrier polled by the engine 12 to 19 us; oversubscribed (4
-        # ranks on 2 cores) the Ibarrier won, 140 against 265 us
-        if counters is not None and os.environ.get("MACROFLOW_SHM_BARRIER", "1") != "0" \
-                and (self.natives(run) is None or size <= CORES):
+        # counters come only where the run's starter chose barriers in
+        # shared memory (see offers_counters): every context takes its choice
+        if counters is not None:
             run.offered = True
             from . import memory
             try:
@@ -645,6 +642,24 @@ class SpmdModel(Model):
             if r != self.eng.id and r not in self.eng.lost:
                 self.send(r, (ENDED, run.ident, self.eng.id, run.entered, failure, natives,
                               missing))
+
+    def offers_counters(self, size: int, native: bool) -> bool:
+        """Whether a run of ``size`` contexts that this context starts offers
+        its barriers counters in shared memory: decided here, for all, as
+        every context must take the same path (by its own core count, a rank
+        of a host with fewer cores went by MPI's barrier while the others
+        found out about shared memory by messages, and both waited for
+        ever). Under MPI too when the run has no more contexts than cores:
+        measured (2 ranks on one host), a barrier in shared memory took 7.5 us
+        and MPI's Ibarrier polled by the engine 12 to 19 us; oversubscribed (4
+        ranks on 2 cores) the Ibarrier won, 140 against 265 us."""
+        if os.environ.get("MACROFLOW_SHM_BARRIER", "1") == "0":
+            return False
+        if size <= CORES or not native:
+            return True
+        fn = getattr(self.eng.transport, "native_collectives", None)
+        off = os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0"
+        return fn is None or off or fn(list(range(size))) is None
 
     def natives(self, run: Run) -> Any:
         """The transport's own collectives for ``run`` (MPI's), or None: the

@@ -90,15 +90,15 @@ def _in_computation(fn: Callable[..., Any], args: tuple, n: Optional[int],
     run_id = (eng.id, next(model.run_seq))
     # counters in shared memory for the run's barriers, used if every context
     # of the run can map them (the run's first barrier finds out)
-    counters = region = None
-    from . import memory, shmbarrier  # (numpy: loaded with the first run)
-    if size > 1 and shmbarrier.problem() is None:
-        counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), "u1")
-        region = memory.describe(counters)
     # MPI's own collectives for one run at a time, started by context 0
     # (nested runs, or runs started elsewhere, go by messages): every context
     # of a run takes the path the run's starter chose
     native = eng.id == 0 and not model.native_runs
+    counters = region = None
+    from . import memory, shmbarrier  # (numpy: loaded with the first run)
+    if size > 1 and shmbarrier.problem() is None and model.offers_counters(size, native):
+        counters = memory.shared_zeros(shmbarrier.ShmBarrier.nbytes(size), "u1")
+        region = memory.describe(counters)
     model.native_runs += native
     try:
         try:
