@@ -655,21 +655,22 @@ class SpmdModel(Model):
         ranks on 2 cores) the Ibarrier won, 140 against 265 us."""
         if os.environ.get("MACROFLOW_SHM_BARRIER", "1") == "0":
             return False
-        if size <= CORES or not native:
-            return True
-        fn = getattr(self.eng.transport, "native_collectives", None)
-        off = os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0"
-        return fn is None or off or fn(list(range(size))) is None
+        return size <= CORES or not native or self._natives_for(size) is None
 
     def natives(self, run: Run) -> Any:
         """The transport's own collectives for ``run`` (MPI's), or None: the
         same answer in every context of the run, which all take the same path.
         MACROFLOW_NATIVE_COLLECTIVES=0 turns them off (to compare)."""
         if run.natives is _UNKNOWN:
-            fn = getattr(self.eng.transport, "native_collectives", None)
-            off = os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0"
-            run.natives = None if fn is None or off else fn(list(range(run.size)))
+            run.natives = self._natives_for(run.size)
         return run.natives
+
+    def _natives_for(self, size: int) -> Any:
+        """The transport's own collectives for a run of contexts 0..size-1, or None."""
+        fn = getattr(self.eng.transport, "native_collectives", None)
+        if fn is None or os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0":
+            return None
+        return fn(list(range(size)))
 
     def catch_up(self, run: Run, natives: Tuple[int, list]) -> None:
         """Another context's function ended with native collectives started
