@@ -249,12 +249,23 @@ class Session:
         else:
             self.close(grace=2.0)
 
+    def _contexts_now(self) -> int:
+        """How many contexts the computation has: with those added or
+        joined; not those removed or lost before.
+
+        Example:
+            >>> import macroflow as mf
+            >>> with mf.init(contexts=2, transport="inproc") as s:
+            ...     s._contexts_now()
+            2
+        """
+        eng = self.engine
+        return self.size if eng is None else len(eng.context_ids())
+
     def _interrupted(self) -> None:
         """Ctrl-C ended the computation: stop it, and say so in one line
         (:func:`run` says it itself, once the Ctrl-C has reached it)."""
-        eng = self.engine
-        # with those added or joined; not those removed or lost before
-        n = self.size if eng is None else len(eng.context_ids())
+        n = self._contexts_now()
         # after Ctrl-C, waiting long for contexts that compute helps
         # nobody; and a second Ctrl-C (a key pressed twice) is not to cut
         # the teardown short, with a traceback from its middle
@@ -1415,10 +1426,7 @@ def run(main: Callable[..., Any], *args: Any, contexts: Optional[int] = None,
                 result = result.result()
             return result
     except KeyboardInterrupt:
-        eng = session.engine
-        # with those added or joined; not those removed or lost before
-        n = session.size if eng is None else len(eng.context_ids())
-        print(interrupted_line(n), file=sys.stderr)
+        print(interrupted_line(session._contexts_now()), file=sys.stderr)
         raise
 
 

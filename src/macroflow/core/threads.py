@@ -345,7 +345,7 @@ class QuietFinder:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            if finder is self or isinstance(finder, QuietFinder) or find is None:
+            if isinstance(finder, QuietFinder) or find is None:  # (itself, or a twin)
                 continue
             spec = find(name, path, target)
             if spec is not None:

@@ -775,11 +775,8 @@ def _at_exit() -> None:  # pragma: no cover - ends the process
     # (an uncaught SystemExit, mf.Terminated's 143 say, never reaches
     # sys.last_value: it is the exception MPI broke under, if any)
     last = getattr(sys, "last_value", None) or (_ending[0] if _ending else None)
-    if _exit_code:
-        code = _exit_code[0]
-        code = 0 if code is None else code if isinstance(code, int) else 1
-    elif isinstance(last, SystemExit):
-        code = last.code
+    if _exit_code or isinstance(last, SystemExit):
+        code = _exit_code[0] if _exit_code else last.code  # type: ignore[union-attr]
         code = 0 if code is None else code if isinstance(code, int) else 1
     elif isinstance(last, KeyboardInterrupt):
         # as Python ends on an uncaught Ctrl-C: killed by SIGINT, so that a
@@ -2408,26 +2405,25 @@ def _send_away(inter: Any, comm: Any, count: int, hellos: Dict[int, Any]) -> Non
     (an interactive one: for ever), and MPI's process manager killed them
     at its end, which left their shared-memory files in /dev/shm (2 MB
     each, every time)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a second Ctrl-C: not in the middle)
-    try:
-        if comm is None:
-            comm = inter.Merge(high=False)
-        # their hellos first: one left unreceived stayed in MPI's queue, where
-        # the next computation's first receive took it (MPI reuses the
-        # communicator's context id): "Invalid rank 2" from a job of 2 ranks
-        _poll_messages(comm, HELLO, count, f"sending {count} starting MPI ranks away",
-                       DISCONNECT_WAIT, lambda have: "ranks", into=hellos)
-        reqs = [comm.isend(None, dest=r, tag=SETUP) for r in range(1, count + 1)]
-        deadline = time.monotonic() + DISCONNECT_WAIT
-        while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        for c in (comm, inter):
-            if not disconnect(c, 0):
-                break
-    except Exception:
-        pass  # (MPI refused: they end with this process, as before)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    from ..launch import _sigint_ignored
+    with _sigint_ignored():  # (a second Ctrl-C: not in the middle)
+        try:
+            if comm is None:
+                comm = inter.Merge(high=False)
+            # their hellos first: one left unreceived stayed in MPI's queue, where
+            # the next computation's first receive took it (MPI reuses the
+            # communicator's context id): "Invalid rank 2" from a job of 2 ranks
+            _poll_messages(comm, HELLO, count, f"sending {count} starting MPI ranks away",
+                           DISCONNECT_WAIT, lambda have: "ranks", into=hellos)
+            reqs = [comm.isend(None, dest=r, tag=SETUP) for r in range(1, count + 1)]
+            deadline = time.monotonic() + DISCONNECT_WAIT
+            while not all(r.Test() for r in reqs) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            for c in (comm, inter):
+                if not disconnect(c, 0):
+                    break
+        except Exception:
+            pass  # (MPI refused: they end with this process, as before)
 
 
 @contextlib.contextmanager
