@@ -62,7 +62,7 @@ class HostedObject:
     """
 
     __slots__ = ("oid", "cls", "instance", "create", "lanes", "ready", "gready", "queued",
-                 "arrivals", "busy", "state", "error", "label", "named", "guarded", "running", "held",
+                 "arrivals", "busy", "state", "error", "label", "guarded", "running", "held",
                  "gstamp", "gfresh")
 
     def __init__(self, oid, label):
@@ -83,13 +83,13 @@ class HostedObject:
         self.state = "new"  # new -> live | broken -> destroyed; missing: never created here
         self.error: Optional[BaseException] = None
         self.label = label
-        self.named = False  # the label is the object's own (__mf_object_label__), whole
         self.guarded: frozenset = frozenset()  # names of methods with a guard
         self.held: Optional[List[Any]] = None  # requests that came before the constructor ran
 
 
 class _OwnLabel(str):
-    """A destroyed object's label that was its own (``__mf_object_label__``)."""
+    """An object's label that is its own (``__mf_object_label__``): it names
+    the object whole."""
 
 
 def _run_hook(hook: Callable[[], Any]) -> None:
@@ -257,7 +257,6 @@ class ObjectHost(Model):
             obj.state = "broken"
         else:
             obj.label, obj.state = fate, "destroyed"
-            obj.named = type(fate) is _OwnLabel
         return obj
 
     def _fate(self, oid) -> Any:
@@ -303,7 +302,7 @@ class ObjectHost(Model):
                     err.__traceback__ = None
                 self.tombstones[obj.oid] = ("broken", obj.label, err)
             else:
-                self.tombstones[obj.oid] = _OwnLabel(obj.label) if obj.named else obj.label
+                self.tombstones[obj.oid] = obj.label
 
     # ------------------------------------------------------------------ running calls
     def _pump(self, obj: HostedObject) -> None:
@@ -474,8 +473,7 @@ class ObjectHost(Model):
             obj.state = "live"
             named = getattr(inst, "__mf_object_label__", None)
             if named is not None:  # (an object that stands for another's, as a collection's part)
-                obj.label = str(named)
-                obj.named = True
+                obj.label = _OwnLabel(named)
             eng._finish(call, True, None)
             return self._release(obj)
         if obj.state != "live":
@@ -518,7 +516,9 @@ class ObjectHost(Model):
                 f"no object {obj.oid[0]}.{obj.oid[1]} on context {self.eng.id} "
                 f"(destroyed, or never created here), so {what} cannot run")
         # (an object's own label names it whole: no id of ours after it)
-        who = obj.label if obj.named else f"{obj.label} {obj.oid[0]}.{obj.oid[1]}"
+        who = obj.label
+        if type(who) is not _OwnLabel:
+            who = f"{who} {obj.oid[0]}.{obj.oid[1]}"
         if call.method == DESTROY:
             return errors.ObjectDestroyed(f"{who} was already destroyed")
         return errors.ObjectDestroyed(f"{who} was destroyed; {what} cannot run")
