@@ -89,7 +89,34 @@ class HostedObject:
 
 class _OwnLabel(str):
     """An object's label that is its own (``__mf_object_label__``): it names
-    the object whole."""
+    the object whole. ``calls``, if the object has ``__mf_call_namer__``, names
+    its calls (``calls(method, args)``), and outlives the object with the
+    label (it holds no state of the object's that matters).
+
+    Example:
+        >>> _OwnLabel("the Collection of Cell").calls is None
+        True
+    """
+
+    calls: Optional[Callable[[str, tuple], str]] = None
+
+
+def _call_name(label: Any, call: Call) -> str:
+    """How an error names ``call`` to an object labelled ``label``: as the
+    label's ``calls`` names it (see :class:`_OwnLabel`), else ``method()``.
+
+    Example:
+        >>> from macroflow.core.context import Call
+        >>> _call_name("Counter", Call((0, 1), "persistent", None, "incr", (), {}, None, 0, 0))
+        'incr()'
+    """
+    calls = getattr(label, "calls", None)
+    if calls is not None:
+        try:
+            return calls(call.method, call.args)
+        except Exception:
+            pass
+    return f"{call.method}()"
 
 
 def _run_hook(hook: Callable[[], Any]) -> None:
@@ -474,6 +501,9 @@ class ObjectHost(Model):
             named = getattr(inst, "__mf_object_label__", None)
             if named is not None:  # (an object that stands for another's, as a collection's part)
                 obj.label = _OwnLabel(named)
+                namer = getattr(inst, "__mf_call_namer__", None)
+                if namer is not None:
+                    obj.label.calls = namer()
             eng._finish(call, True, None)
             return self._release(obj)
         if obj.state != "live":
@@ -505,7 +535,7 @@ class ObjectHost(Model):
         eng._invoke(getattr(obj.instance, call.method, None), call)
 
     def _dead_object_error(self, obj: HostedObject, call: Call) -> errors.ObjectDestroyed:
-        what = "destroy()" if call.method == DESTROY else f"{call.method}()"
+        what = "destroy()" if call.method == DESTROY else _call_name(obj.label, call)
         if obj.state == "broken":
             err = errors.ObjectDestroyed(f"{obj.label} could not be created, so {what} cannot "
                                          f"run: {type(obj.error).__name__}: {obj.error}")
@@ -606,11 +636,11 @@ class ObjectCalls(_HostedKind):
         obj = call.obj
         if obj is not None:
             # a class may name its calls in its users' terms (a collection's
-            # host names the element's method): __mf_call_label__(self, method, args)
-            name = getattr(obj.cls, "__mf_call_label__", None)
-            if name is not None and obj.instance is not None:
+            # host names the element's method): see _OwnLabel
+            calls = getattr(obj.label, "calls", None)
+            if calls is not None:
                 try:
-                    return name(obj.instance, call.method, call.args)
+                    return calls(call.method, call.args)
                 except Exception:
                     pass
             return f"{obj.label}.{call.method}"

@@ -26,6 +26,7 @@ futures) and the SPMD model (registered memory), and neither knows of it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -122,6 +123,25 @@ def _call_each(elements: Any, cls: type, what: str, fn: Callable[..., Any]) -> L
     return results
 
 
+def _call_label(cls: str, shape: Tuple[int, ...], method: str, args: tuple) -> str:
+    """A collection host's call named in the terms of its element class ``cls``.
+
+    Example:
+        >>> _call_label("Cell", (6,), "pointer", (2, "data"))
+        "Cell element 2's pointer to .data"
+    """
+    if method == "call":
+        return f"{cls}.{args[1]} of element {_unflatten(args[0], shape)}"
+    if method == "apply":
+        what = args[0] if isinstance(args[0], str) else getattr(args[0], "__qualname__", "fn")
+        return f"{cls}.{what}" if isinstance(args[0], str) else f"{what} on {cls} elements"
+    if method == "map_blocks":
+        return f"map_blocks({getattr(args[0], '__qualname__', 'fn')}) on {cls} elements"
+    if method == "pointer":
+        return f"{cls} element {_unflatten(args[0], shape)}'s pointer to .{args[1]}"
+    return f"{cls} elements' {method}"
+
+
 @persistent
 class _Host:
     """The elements of one collection that live in one context, by flat index.
@@ -171,28 +191,21 @@ class _Host:
         return (f"the Collection of {self.cls.__qualname__} (its elements "
                 f"[{', '.join(map(str, shown))}] here)")
 
-    def __mf_call_label__(self, method: str, args: tuple) -> str:
-        """What a call of this host does, in the element class's terms (for
-        errors such as a DeadlockError's, which would otherwise name _Host).
+    def __mf_call_namer__(self) -> Callable[[str, tuple], str]:
+        """What names a call of this host in the element class's terms (for
+        errors such as a DeadlockError's, which would otherwise name _Host):
+        ``namer(method, args)``. It holds the class's name and the shape
+        only, so the label of a destroyed collection keeps it, not the
+        elements.
 
         Example:
             >>> class Cell:
             ...     def __init__(self, index): pass
-            >>> h = _Host(Cell, (2, 3), "block", 1, 0, ())
-            >>> h.__mf_call_label__("call", (4, "step", (), {})), h.__mf_call_label__("apply", ("step",))
+            >>> name = _Host(Cell, (2, 3), "block", 1, 0, ()).__mf_call_namer__()
+            >>> name("call", (4, "step", (), {})), name("apply", ("step",))
             ('Cell.step of element (1, 1)', 'Cell.step')
         """
-        cls = self.cls.__qualname__
-        if method == "call":
-            return f"{cls}.{args[1]} of element {_unflatten(args[0], self.shape)}"
-        if method == "apply":
-            what = args[0] if isinstance(args[0], str) else getattr(args[0], "__qualname__", "fn")
-            return f"{cls}.{what}" if isinstance(args[0], str) else f"{what} on {cls} elements"
-        if method == "map_blocks":
-            return f"map_blocks({getattr(args[0], '__qualname__', 'fn')}) on {cls} elements"
-        if method == "pointer":
-            return f"{cls} element {_unflatten(args[0], self.shape)}'s pointer to .{args[1]}"
-        return f"{cls} elements' {method}"
+        return functools.partial(_call_label, self.cls.__qualname__, self.shape)
 
     def _items(self) -> Iterator[Tuple[Index, Any]]:
         shape = self.shape
