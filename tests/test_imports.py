@@ -77,6 +77,39 @@ def test_numpy_imported_after_macroflow_starts_threads_that_block_signals():
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_the_threads_a_module_of_a_quiet_package_starts_block_signals(tmp_path):
+    # scipy starts its own BLAS's threads as scipy.linalg loads, not as
+    # scipy does: every module of the package loads with the signals blocked
+    # (a stand-in scipy here, whose scipy.linalg starts a thread)
+    linalg = tmp_path / "scipy" / "linalg"
+    linalg.mkdir(parents=True)
+    (tmp_path / "scipy" / "__init__.py").write_text("")
+    (linalg / "__init__.py").write_text(textwrap.dedent("""
+        import signal, threading
+        blocked = []
+        def note():
+            blocked.append(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        t = threading.Thread(target=note)
+        t.start()
+        t.join()
+    """))
+    code = """
+        import sys
+        sys.path.insert(0, {!r})
+        if {}:
+            import macroflow
+        import scipy.linalg
+        print(scipy.linalg.blocked, signal_now())
+    """
+    code = "from signal import SIGTERM, pthread_sigmask, SIG_BLOCK\n" \
+           "def signal_now(): return SIGTERM in pthread_sigmask(SIG_BLOCK, [])\n" \
+           + textwrap.dedent(code)
+    assert python(code.format(str(tmp_path), False)) == "[False] False"  # (what the finder changes)
+    # and the main thread's mask is as it was once the module has loaded
+    assert python(code.format(str(tmp_path), True)) == "[True] False"
+
+
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("finder", ["with the finder", "without it"])
 def test_an_array_made_after_import_travels_out_of_band(finder):
     out = python(f"""

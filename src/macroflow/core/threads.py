@@ -316,16 +316,18 @@ HANDLED_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signa
                              signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF})
 
 
-#: modules loaded with :data:`HANDLED_SIGNALS` blocked, whoever imports them
-#: and whenever: numpy starts its BLAS threads as it loads, and a thread
+#: packages whose modules (the package and every module in it) are loaded
+#: with :data:`HANDLED_SIGNALS` blocked, whoever imports them and whenever:
+#: numpy starts its BLAS threads as it loads, scipy its own BLAS's as
+#: ``scipy.linalg`` (or another module that links it) loads, and a thread
 #: takes the signal mask of the thread that starts it
-QUIET_MODULES = frozenset({"numpy"})
+QUIET_MODULES = frozenset({"numpy", "scipy"})
 # module name -> what to call with the module once it has loaded
 _when_loaded: dict = {}
 
 
 class QuietFinder:
-    """The finder (first in :data:`sys.meta_path`) that has a module of
+    """The finder (first in :data:`sys.meta_path`) that has the modules of
     :data:`QUIET_MODULES` loaded with the handled signals blocked, so that
     the threads it starts as it loads never take one: taken by a BLAS
     thread, a SIGTERM did not interrupt the main thread's wait (one to
@@ -341,7 +343,7 @@ class QuietFinder:
     """
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in QUIET_MODULES:
+        if name.partition(".")[0] not in QUIET_MODULES:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -352,9 +354,20 @@ class QuietFinder:
                 break
         else:
             return None
-        run = getattr(spec.loader, "exec_module", None)
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
         if run is None:
             return spec
+        create = getattr(loader, "create_module", None)
+
+        # (an extension module's library, and the threads it starts, load in
+        # create_module; a package's __init__ imports them in exec_module)
+        def create_module(spec: Any) -> Any:
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+            try:
+                return create(spec)  # type: ignore[misc]
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
         def exec_module(module: Any) -> None:
             previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
@@ -362,10 +375,12 @@ class QuietFinder:
                 run(module)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-            for hook in _when_loaded.pop(name, ()):
+            for hook in _when_loaded.pop(name, ()) if _when_loaded else ():
                 hook(module)
         try:
-            spec.loader.exec_module = exec_module
+            loader.exec_module = exec_module
+            if create is not None:
+                loader.create_module = create_module
         except AttributeError:
             pass  # (a loader that takes no attribute: it loads as it would)
         return spec
@@ -383,7 +398,7 @@ def install_quiet_finder() -> None:
 
 
 def when_loaded(name: str, hook: Callable[[Any], None]) -> None:
-    """Call ``hook(module)`` once module ``name`` (one of :data:`QUIET_MODULES`)
+    """Call ``hook(module)`` once module ``name`` (of a package of :data:`QUIET_MODULES`)
     has loaded: now if it has, else when it does.
 
     Example:
