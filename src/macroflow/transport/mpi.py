@@ -101,6 +101,7 @@ from collections import deque
 from pickle import PickleBuffer
 from typing import Any, Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from . import rank_start
 from . import ring as _ring
 from .base import Transport
 
@@ -400,7 +401,7 @@ class DeathWatch:
     WINDOW = 0.05  # seconds of deaths ordered together (see _tell)
     _mine: Optional["DeathWatch"] = None  # this process's, for the ranks it spawns
     _reporting: List[socket.socket] = []  # in a rank: its connections to watches
-    PID = struct.Struct("<Q")
+    PID = rank_start.PID
 
     def __init__(self, name: str, on_death: Callable[[int, Optional[int]], None]):
         self.name = name
@@ -513,21 +514,13 @@ class DeathWatch:
 
     @staticmethod
     def address_of(name: str) -> bytes:
-        # (a name, not the address, is passed to spawned ranks: MPI's process
-        # manager drops the backslashes of their arguments)
-        return f"\0macroflow-watch-{name}".encode()
+        return rank_start.watch_address(name)
 
     @classmethod
     def report_to(cls, name: str) -> None:
         """In a rank: connect to a watch (the parent's, or `macroflow run`'s;
         nothing if it cannot)."""
-        try:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(cls.address_of(name))
-            s.sendall(cls.PID.pack(os.getpid()))
-            cls._reporting = [*cls._reporting, s]
-        except OSError:
-            pass
+        cls._reporting = [*cls._reporting, *rank_start.report([name])]
 
     @classmethod
     def bye(cls) -> None:
@@ -2331,10 +2324,7 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
                            f"{_broken}. Run the next computation on mpi in a new process "
                            f"(or on another transport)")
     MPI = mpi()
-    watch = DeathWatch.here()
-    code = (f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}; "
-            f"from macroflow.transport.mpi import _spawned; _spawned({entry!r}, "
-            f"{watch.name if watch is not None else None!r}, {os.getpid()})")
+    code = _rank_code(entry, DeathWatch.here())
     sys.stdout.flush()
     sys.stderr.flush()
     before = mpich_shm_files()
@@ -2485,25 +2475,47 @@ def _hello(comm: Any) -> None:
     comm.send(("ok", socket.gethostname(), os.getpid()), dest=0, tag=HELLO)
 
 
-def _spawned(entry: str, watch: Optional[str] = None,
-             spawner: Optional[int] = None) -> None:  # pragma: no cover - runs in a spawned rank
-    """What a spawned rank runs: merge with its parent, say hello, run ``entry``,
-    leave. ``watch`` is the name of the parent's :class:`DeathWatch`;
-    ``spawner`` the pid of the process that spawned it."""
-    if watch is not None:
-        DeathWatch.report_to(watch)
+def _rank_code(entry: str, watch: Optional["DeathWatch"]) -> str:
+    """The program (``python -c``) of a rank spawned to run ``entry``: it
+    starts MPI and merges first, by :mod:`rank_start` (loaded by its path),
+    then imports macroflow and runs :func:`_spawned`. Its last line ends
+    with this process's pid: ``_spawned(..., pid)``.
+
+    Example:
+        >>> code = _rank_code("m:f", None)
+        >>> "\\n" not in code and code.endswith(f"_spawned('m:f', _c, _w, {os.getpid()})")
+        True
+    """
+    from ..core.threads import HANDLED_SIGNALS
+    start = rank_start.__file__
+    watches = [watch.name] if watch is not None else []
     if os.environ.get(WATCH_ENV):
         # under `macroflow run`, a rank added to the job: should it die, the
         # command names it (see note_added)
-        DeathWatch.report_to(os.environ[WATCH_ENV])
-    MPI = mpi()
-    parent = MPI.Comm.Get_parent()
-    merged = threading.Event()
-    if spawner is not None:
-        from ..core.threads import start_thread
-        start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner, merged))
-    comm = parent.Merge(high=True)
-    merged.set()
+        watches.append(os.environ[WATCH_ENV])
+    pid = os.getpid()
+    # (one line: MPICH's process manager cannot pass an argument of several)
+    return "; ".join([
+        f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}",
+        f"_r = {{}}; exec(compile(open({start!r}).read(), {start!r}, 'exec'), _r)",
+        f"_c, _w = _r['start']({watches!r}, {pid}, {sorted(int(s) for s in HANDLED_SIGNALS)!r})",
+        f"_spawned = _r['load'](_c, {HELLO})",
+        f"_spawned({entry!r}, _c, _w, {pid})",
+    ])
+
+
+def _spawned(entry: str, comm: Any, reporting: List[socket.socket],
+             spawner: int) -> None:  # pragma: no cover - runs in a spawned rank
+    """What a spawned rank runs once it has merged with its spawner (pid
+    ``spawner``) into ``comm``: say hello, run ``entry``, leave.
+    ``reporting``: its connections to death watches (see :mod:`rank_start`)."""
+    global _MPI
+    if _MPI is None:  # (started by rank_start)
+        from mpi4py import MPI
+        _MPI = MPI
+    DeathWatch._reporting = [*DeathWatch._reporting, *reporting]
+    from ..core.threads import start_thread
+    start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner,))
     if not entry.endswith((":_serve_added", ":_serve_spawned")):
         _settled.set()  # (a served rank waits for its setup first: see _serve)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
@@ -2521,38 +2533,22 @@ def _spawned(entry: str, watch: Optional[str] = None,
     _leave(0)
 
 
-#: seconds a spawned rank waits for its spawner to merge with it
-MERGE_WAIT = 60.0
 #: set once a spawned rank no longer needs its spawner watched (see _orphan_watch)
 _settled = threading.Event()
 
 
-def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no cover - in a rank
-    # The spawner merges with its new ranks as soon as MPI has started them;
-    # one interrupted in between (a Ctrl-C during mf.add_contexts) never
-    # does, and they waited in the merge for ever, spinning. A rank whose
-    # spawner has ended, or has not merged in MERGE_WAIT s, ends, removing
-    # MPICH's files that only it still maps.
-    # A rank then waits for context 0's setup (one added while the
-    # computation runs, for its plan, and joins the live contexts): context 0
-    # interrupted in between left it waiting (or spinning in MPI) for ever
-    # too, so the watch goes on until it has its setup (no deadline: context
-    # 0 may be slow, but not gone).
-    deadline = time.monotonic() + MERGE_WAIT
-    while not merged.wait(0.2):
-        if _ended(spawner) or time.monotonic() > deadline:
-            _leave_orphaned()
+def _orphan_watch(spawner: int) -> None:  # pragma: no cover - in a rank
+    # A rank waits for context 0's setup once it has merged (rank_start
+    # watches the merge; one added while the computation runs, for its plan,
+    # and joins the live contexts): context 0 interrupted in between left it
+    # waiting (or spinning in MPI) for ever, so this watch goes on until it
+    # has its setup (no deadline: context 0 may be slow, but not gone).
     while not _settled.wait(0.2):
         if _ended(spawner):
             _leave_orphaned()
 
 
-def _ended(pid: int) -> bool:  # pragma: no cover - in a rank
-    try:  # (ended: gone, or a zombie that its parent has not reaped yet)
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
+_ended = rank_start.ended
 
 
 def _leave_orphaned() -> None:  # pragma: no cover - in a rank
