@@ -393,6 +393,27 @@ class Ping:
         return "reply"
 
 
+@mf.persistent
+class EarlyPing:
+    """Ping whose start answers first (mf.rtf), then waits in the cycle."""
+
+    def start(self, other, me):
+        mf.rtf("answered early")
+        return other.bounce(me).result()
+
+    def reply(self):
+        return "reply"
+
+
+@mf.persistent
+class Bounce:
+    def bounce(self, back):
+        return back.reply().result()
+
+    def reply(self):
+        return "reply"
+
+
 @mf.regular
 class Middle:
     def call_back(self, target):
@@ -441,6 +462,19 @@ def test_a_wait_cycle_between_two_objects_fails_one_waiter_naming_the_cycle(run)
     assert "wait cycle" in text
     assert "Ping.bounce (context 2) waits for Ping.reply (context 1)" in text
     assert "is queued behind Ping.start (context 1)" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_cycle_through_a_method_that_answered_early_is_found(run):
+    # (its result slot was finished by mf.rtf, and the probe stopped there:
+    # the cycle was never found, and its object never served again)
+    def main():
+        a, b = EarlyPing.create(on=1), Bounce.create(on=2)
+        early = a.start(b, a).result(timeout=10)
+        # whichever wait fails, both objects serve again
+        return early, a.reply().result(timeout=20), b.reply().result(timeout=20)
+
+    assert run(main, contexts=3) == ("answered early", "reply", "reply")
 
 
 @mf.persistent

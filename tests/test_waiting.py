@@ -386,3 +386,26 @@ def test_a_first_completed_loop_over_calls_queued_on_its_own_context_takes_one_w
         return waits, sorted(got) == list(range(400))
 
     assert run(main, contexts=1) == (1, True)
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_for_the_first_ends_with_the_first_on_every_transport(run):
+    # inproc ran every call queued elsewhere before main heard of the first
+    # (FIRST_COMPLETED: 2 done after 1.1 s), and as_completed then said
+    # "2 of 2 futures not ready" with one of them done
+    def main():
+        s1, s2 = Sim.create(on=1), Sim.create(on=2)
+        s1.nap(0).result(10)
+        s2.nap(0).result(10)
+        out = []
+        done, left = mf.wait([s1.nap(0.1), s1.nap(1.0)], return_when=mf.FIRST_COMPLETED)
+        out.append((sorted(f.result() for f in done), len(left)))
+        mf.wait(left)
+        got = []
+        with pytest.raises(mf.TimeoutError) as e:
+            for f in mf.as_completed([s1.nap(0.3), s2.nap(2.0)], timeout=1):
+                got.append(f.result())
+        out.append((got, str(e.value).split(" not ready")[0]))
+        return out
+
+    assert run(main, contexts=3) == [([0.1], 1), ([0.3], "1 of 2 futures")]

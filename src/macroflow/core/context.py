@@ -426,6 +426,8 @@ class Engine:
         self.next_probe = 0.0
         self.timed_wait = False  # main waits with a timeout: start no regular call here
         self.stop_at: Optional[float] = None  # inproc: leave the inbox for later after this time
+        # inproc: ... or once this says so (context 0 has something to take)
+        self.stop_for: Optional[Callable[[], bool]] = None
         self.loads = [0] * size
         # contexts added while running, as they report in: id -> their description
         self.joined: Dict[int, Any] = {}
@@ -1109,7 +1111,8 @@ class Engine:
         heapq.heappush(self.timers, (time.monotonic() + timeout, id(waiter), waiter))
 
     # ------------------------------------------------------------------ the loop
-    def run_until(self, pred: Callable[[], bool], deadline: Optional[float] = None) -> bool:
+    def run_until(self, pred: Callable[[], bool], deadline: Optional[float] = None,
+                  whole_rounds: bool = False) -> bool:
         if self.in_guard is not None and not pred():
             self.guard_waits("")
         stepped = False
@@ -1204,8 +1207,17 @@ class Engine:
         stop = self.stop_at
         while True:
             while inbox:
-                if stop is not None and time.monotonic() >= stop:
-                    break  # a waiter in this thread is due (inproc): the rest can wait
+                if stop is not None:
+                    if time.monotonic() >= stop:
+                        break  # a waiter in this thread is due (inproc): the rest can wait
+                    if self.stop_for is not None:
+                        # (inproc) context 0's main waits: what needs no user
+                        # code (a value it asked for) is served before the
+                        # next call, as a context's service serves it while a
+                        # method computes, and the rest waits if that was enough
+                        if self.stop_for() or (len(inbox) > 1 and self.serve_arrived()
+                                               and self.stop_for()):
+                            break
                 src, bufs, load = inbox.popleft()
                 try:
                     self.loads[src] = load
@@ -2287,7 +2299,7 @@ class Engine:
                 self.process()
         elif self.driver.pending():
             once = iter((False, True))  # (inproc: the others share this thread)
-            self.driver.run_until(lambda: next(once, True))
+            self.driver.run_until(lambda: next(once, True), whole_rounds=True)
         return max(0, before - len(self.inbox))
 
     def run_pollers(self) -> bool:
@@ -2477,15 +2489,16 @@ class Engine:
                         break
                     call = entry[0]
                 else:
-                    if slot.state == FINISHED:
-                        break
-                    if slot.alias is not None:
+                    if slot.state != FINISHED and slot.alias is not None:
                         to_fid, home = slot.alias
                         if home != self.id:
                             self._probe(init, to_fid, home, path)
                             break
                         fid = to_fid
                         continue
+                    # (a finished one's method may still run: it answered
+                    # early, with mf.rtf, and what is queued behind it waits
+                    # for it all the same)
                     call = slot.call
                     if call is None:
                         break

@@ -9,6 +9,7 @@ hanging.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -114,16 +115,35 @@ class World:
         for w in waiters:
             w.wake(None)  # type: ignore[attr-defined]
 
-    def run_until(self, pred, deadline: Optional[float] = None) -> bool:
+    def run_until(self, pred, deadline: Optional[float] = None,
+                  whole_rounds: bool = False) -> bool:
+        """Drive every context until ``pred()`` holds (True) or ``deadline``
+        (time.monotonic) has passed (``pred()`` then). Context 0, whose main
+        program waits here (a method parks instead), is served first: once
+        another context has sent it something (or ``pred()`` holds), that
+        context takes no further message, and ``pred`` is asked again as
+        soon as context 0 has taken it, so a wait for the first of several
+        ends with the first, not after every call queued elsewhere. ``whole_rounds``: every context has its
+        turn before ``pred`` is asked again (a poll's round).
+
+        Example:
+            >>> World().run_until(lambda: True)
+            True
+        """
         self.driving += 1
         try:
-            return self._run_until(pred, deadline)
+            return self._run_until(pred, deadline, whole_rounds)
         finally:
             self.driving -= 1
             self._wake_yielded()  # ready threads: whoever drives next resumes them
 
-    def _run_until(self, pred, deadline: Optional[float]) -> bool:
+    def _run_until(self, pred, deadline: Optional[float], whole_rounds: bool) -> bool:
         polled = False
+        first = self.engines[0] if self.engines else None
+
+        def for_first() -> bool:  # (a value main waits for may go straight to its future)
+            return first.busy() or pred()  # type: ignore[union-attr]
+
         while not pred():
             # every context shares this thread: a call that computes delays the
             # deadline by its length, but no new one starts once it has passed
@@ -140,15 +160,24 @@ class World:
                 # a timer that is due gets its turn too: a thread may poll forever
                 if eng.busy() or (eng.timers  # type: ignore[attr-defined]
                                   and eng.timers[0][0] <= now):  # type: ignore[attr-defined]
-                    eng.stop_at = stop  # type: ignore[attr-defined]
+                    yields = not whole_rounds and eng is not first
+                    eng.stop_at = stop if stop is not None or not yields \
+                        else math.inf  # type: ignore[attr-defined]
+                    eng.stop_for = for_first if yields else None  # type: ignore[attr-defined]
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     except KeyboardInterrupt as e:
                         eng.interrupted(e)  # type: ignore[attr-defined]
                         raise
                     finally:
-                        eng.stop_at = None  # type: ignore[attr-defined]
+                        eng.stop_at = eng.stop_for = None  # type: ignore[attr-defined]
                     progressed = True
+                    if not whole_rounds:
+                        if eng is first:
+                            if pred():
+                                return True
+                        elif for_first():
+                            break  # (see run_until: context 0 first)
             if self.yielded:
                 self._wake_yielded()
                 continue

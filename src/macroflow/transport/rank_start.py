@@ -5,11 +5,12 @@ with its spawner.
 Why first: ``MPI_Comm_spawn`` and the merge after it return in the spawner
 only once every new rank has started MPI and merged, and MPICH spins a core
 meanwhile. A rank that imported macroflow first (50 to 150 ms) kept its
-spawner spinning that long, on a machine whose cores the new ranks needed
-for that very import; merged first, the spawner waits for their hellos
-asleep. (Measured with two ranks on two cores, four spawns each way: 390 to
-510 ms a spawn against 445 to 815, and 100 to 150 ms of the spawner's CPU
-against 220 to 390.)
+spawner spinning that long, on cores the new ranks needed for that very
+import; merged first, the spawner waits for their hellos asleep. Measured
+(``mf.run`` of 3 contexts, 12 runs each way): the spawner's CPU 110 to 196 ms
+against 134 to 328; the wall time the same on an idle machine (312 to 435
+ms against 274 to 419), and shorter with a core taken by another program
+(bare mpi4py spawns of two ranks: 390 to 510 ms against 445 to 815).
 
 The spawned rank's command line loads this file by its path, not as a
 module of the package, which would import the package first; so it uses
