@@ -2215,7 +2215,7 @@ def test_a_plain_result_of_a_call_to_ones_own_context_reaches_its_future_without
 
 
 @mf.persistent
-class Box:
+class Slot:
     def __init__(self):
         self.v = None
 
@@ -2238,7 +2238,7 @@ def test_a_call_passed_the_future_of_another_callers_call_runs_after_it(run):
     # other (over tcp and mpi, main's set and the reader's get crossed 1 to
     # 17 times in 200); passing the set's future orders them, as the guide says
     def main():
-        box, reader = Box.create(on=2), Reader.create(on=1)
+        box, reader = Slot.create(on=2), Reader.create(on=1)
         return [reader.read(box, box.set(i)).result(30) for i in range(200)]
 
     assert run(main, contexts=3) == list(range(200))
