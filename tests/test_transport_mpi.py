@@ -1711,3 +1711,27 @@ def test_spawned_ranks_merge_before_they_import_macroflow(tmp_path):
     used = float([line for line in out.stdout.splitlines() if "UCX" not in line][-1])
     # (through the ranks' 2 s import it used about 1.2 s of CPU; 0.12 to 0.15 s now)
     assert used < 0.6, used
+
+
+def test_a_spawn_removes_the_segments_a_killed_job_left():
+    # a program whose ranks it spawned, killed outright, left MPICH's files
+    # (3 MB) for good: the next spawn removes those nobody uses
+    tag = f"/dev/shm/mpich_shm_mftest_{os.getpid()}"
+    left, fresh, held = tag + "_left", tag + "_fresh", tag + "_held"
+    for path in (left, fresh, held):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    hour_ago = time.time() - 3600
+    os.utime(left, (hour_ago, hour_ago))
+    os.utime(held, (hour_ago, hour_ago))
+    keep = open(held, "rb")
+    try:
+        with mf.init(contexts=2, transport="mpi"):
+            pass
+        assert not os.path.exists(left)
+        assert os.path.exists(fresh) and os.path.exists(held)  # just made; in use
+    finally:
+        keep.close()
+        for path in (left, fresh, held):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -645,6 +645,31 @@ def in_use(path: str, besides: int = 0) -> bool:
     return False
 
 
+def sweep_segments(min_age: float = 10.0) -> List[str]:
+    """Remove MPICH's shared-memory files (``/dev/shm/mpich_shm_*``) that no
+    process here has open or mapped and that are at least ``min_age``
+    seconds old; returns those. A job that did not end in order (a rank or
+    the program that spawned them killed) leaves them: the next spawn
+    removes them, as the next job removes ranks' wake-up pages. (A file MPI
+    makes is mapped at once; the age, from its last write, keeps one just
+    made out of reach.)
+
+    Example:
+        >>> sweep_segments(min_age=1e9)
+        []
+    """
+    now = time.time()
+    old = []
+    for path in mpich_shm_files():
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if now - st.st_mtime >= min_age:
+            old.append(path)
+    return remove_unused(sorted(old)) if old else []
+
+
 def remove_unused(paths: Iterable[str], besides: int = 0) -> List[str]:
     """Remove the files of ``paths`` that no process here (but ``besides``)
     has open or mapped; returns those (gone already or not).
@@ -2327,6 +2352,7 @@ def spawn(count: int, entry: str, timeout: float = 120.0) -> Tuple[Any, Any, Dic
     code = _rank_code(entry, DeathWatch.here())
     sys.stdout.flush()
     sys.stderr.flush()
+    sweep_segments()
     before = mpich_shm_files()
     inter = comm = None
     hellos: Dict[int, Any] = {}
