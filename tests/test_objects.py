@@ -1583,8 +1583,11 @@ def test_an_error_after_rtf_is_printed_saying_whose_it_is(capfd):
     assert "macroflow: _AnswersTwice.twice on context 1 raised after it had answered (rtf); " \
            "its caller has its value:\nTraceback from context 1:" in err
     assert "RuntimeError: mf.rtf() was already called in this method" in err
-    # raised by mf.rtf itself: the traceback ends there, not in the engine
+    # raised by mf.rtf itself: the traceback ends at the user's call of it,
+    # without the engine's frames nor rtf's own, as an error printed here is
     assert "context.py" not in err and "threads.py" not in err, err
+    assert "persistent.py" not in err, err
+    assert "(1 frame of macroflow's own code hidden: MACROFLOW_TRACEBACK=full shows it)" in err
 
 
 @mf.persistent
@@ -2242,3 +2245,57 @@ def test_a_call_passed_the_future_of_another_callers_call_runs_after_it(run):
         return [reader.read(box, box.set(i)).result(30) for i in range(200)]
 
     assert run(main, contexts=3) == list(range(200))
+
+
+@mf.persistent
+class _AnswersInInit:
+    def __init__(self):
+        mf.rtf("early")  # a constructor has no value to give
+
+    def get(self):
+        return 1
+
+
+@pytest.mark.timeout(60)
+def test_rtf_in_a_constructor_is_refused(run):
+    # (it was taken: the creation's future got "early" instead of None)
+    def main():
+        h = _AnswersInInit.create(on=1)
+        err = mf.info(h).created.exception(30)
+        return type(err).__name__, str(err), type(h.get().exception(30)).__name__
+
+    kind, text, later = run(main, contexts=2)
+    assert kind == "RuntimeError" and text.startswith("mf.rtf() was called in a constructor"), text
+    assert later == "ObjectDestroyed"
+
+
+@mf.persistent
+class _Threaded:
+    def go(self, other):
+        import threading
+        out = []
+
+        def work():
+            try:
+                other.get().result(10)
+            except RuntimeError as e:
+                out.append(str(e))
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        return out
+
+
+@pytest.mark.timeout(60)
+def test_a_call_from_a_thread_a_method_started_names_that_context(run, transport):
+    # (it said "a thread other than the one that started the computation",
+    # which is main's, on context 0)
+    if transport == "inproc":
+        pytest.skip("inproc: one thread runs every context")
+
+    def main():
+        return _Threaded.create(on=1).go(_AnswersInInit.create(on=2)).result(30)
+
+    [said] = run(main, contexts=3)
+    assert said.startswith("macroflow was called from a thread other than context 1's, "
+                           "which runs its methods"), said

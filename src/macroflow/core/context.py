@@ -313,17 +313,27 @@ def fatal_text(exc: BaseException) -> str:
 
 def format_remote(exc: BaseException, ctx: int) -> str:
     # start at the user's code, in the exceptions it was raised from too
-    # (the sys.exit() that a method's error stands for, say)
+    # (the sys.exit() that a method's error stands for, say); and, as the
+    # excepthook prints a local error, without the frames of macroflow's own
+    # code that the user's called (mf.rtf's, raising that it was called twice)
+    full = os.environ.get("MACROFLOW_TRACEBACK", "").strip().lower() == "full"
+    hidden = 0
     seen = {id(exc)}
-    x = exc.__cause__ if exc.__cause__ is not None else \
-        (None if exc.__suppress_context__ else exc.__context__)
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
+    x: Optional[BaseException] = exc
+    while x is not None:
         x.__traceback__ = _from_user_frames(x.__traceback__)
+        if not full:
+            x.__traceback__, n = errors.user_traceback(x.__traceback__)
+            hidden += n
         x = x.__cause__ if x.__cause__ is not None else \
             (None if x.__suppress_context__ else x.__context__)
-    text = "".join(traceback.format_exception(type(exc), exc,
-                                              _from_user_frames(exc.__traceback__)))
+        if x is not None and id(x) in seen:
+            break
+        seen.add(id(x))
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if hidden:
+        text += (f"({hidden} frame{'s' if hidden > 1 else ''} of macroflow's own code hidden: "
+                 f"MACROFLOW_TRACEBACK=full shows {'them' if hidden > 1 else 'it'})\n")
     return f'Traceback from context {ctx}:\n{text}'
 
 
@@ -812,8 +822,7 @@ class Engine:
         if threading.get_ident() != self.thread:
             if threading.get_ident() == self.serving:
                 raise errors.DeadlockError(_INLINE_WAIT)
-            raise RuntimeError("a macroflow future was used from a thread other than the one "
-                               "that started the computation; use it from that thread")
+            raise RuntimeError(wrong_thread("a macroflow future was used", self))
         if f._asked or f._state == FINISHED:
             return
         f._asked = True
@@ -3927,6 +3936,25 @@ class _State:
 _state = _State()
 
 
+def wrong_thread(what: str, eng: Any) -> str:
+    """The error for ``what`` done in a thread other than the one that runs
+    context ``eng.id`` (one thread does, and its service thread while a
+    method computes): on context 0 the program's own, elsewhere the one that
+    runs the methods.
+
+    Example:
+        >>> class E: id = 1
+        >>> wrong_thread("macroflow was called", E())[:72]
+        "macroflow was called from a thread other than context 1's, which runs i"
+    """
+    if eng.id == 0:
+        return (f"{what} from a thread other than the one that started the computation; "
+                f"do it from that thread")
+    return (f"{what} from a thread other than context {eng.id}'s, which runs its methods: "
+            f"do it in the method itself (a thread the method starts can hand its work back "
+            f"through a queue.Queue, say)")
+
+
 def current_engine(usage: Optional[str] = None) -> Engine:
     """The engine of the context running this code; raises if none is running.
 
@@ -3950,6 +3978,5 @@ def current_engine(usage: Optional[str] = None) -> Engine:
         if me != eng.thread and me != eng.serving:
             # one thread runs a context's engine (and the service thread for
             # the requests it serves while a method computes): another would corrupt it
-            raise RuntimeError("macroflow was called from a thread other than the one "
-                               "that started the computation; call it from that thread")
+            raise RuntimeError(wrong_thread("macroflow was called", eng))
     return eng

@@ -84,8 +84,10 @@ class Future:
     def done(self) -> bool:
         """True once the value (or an exception) has arrived here. Never blocks.
 
-        Note that a future nobody has asked for stays not done here even after
-        its producer finished: call :meth:`result` or :func:`macroflow.wait`.
+        Note that a future nobody has asked for may stay not done here even
+        after its producer finished (unless its call site's values come
+        unasked, learned from earlier use): call :meth:`result` or
+        :func:`macroflow.wait`, which ask.
         One whose context is known to be lost is done, failed with
         :class:`ContextLost`.
 

@@ -633,7 +633,8 @@ def rtf(value: Any) -> None:
     later side effects are seen by later calls. Call it at most once.
 
     Raises:
-        RuntimeError: outside a parallel object's method, or called twice.
+        RuntimeError: outside a parallel object's method, in a constructor, or
+        called twice.
 
     Example:
         >>> import macroflow as mf
@@ -654,6 +655,10 @@ def rtf(value: Any) -> None:
     call = getattr(g, "call", None)
     if call is None:
         raise RuntimeError("mf.rtf() can only be called inside a method of a parallel object")
+    if call.kind == CREATE:
+        raise RuntimeError("mf.rtf() was called in a constructor: a constructor has no value "
+                           "to give early (its caller gets the handle at once, and its "
+                           "calls wait for the constructor to end)")
     if call.answered:  # (said here: a traceback then ends at the user's call of rtf)
         raise RuntimeError("mf.rtf() was already called in this method: its caller has the "
                            "first value")
