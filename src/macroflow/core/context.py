@@ -1219,14 +1219,8 @@ class Engine:
                 if stop is not None:
                     if time.monotonic() >= stop:
                         break  # a waiter in this thread is due (inproc): the rest can wait
-                    if self.stop_for is not None:
-                        # (inproc) context 0's main waits: what needs no user
-                        # code (a value it asked for) is served before the
-                        # next call, as a context's service serves it while a
-                        # method computes, and the rest waits if that was enough
-                        if self.stop_for() or (len(inbox) > 1 and self.serve_arrived()
-                                               and self.stop_for()):
-                            break
+                    if self.stop_for is not None and self.stop_for():
+                        break  # (inproc) context 0's main waits, and has something to take
                 src, bufs, load = inbox.popleft()
                 try:
                     self.loads[src] = load
@@ -3944,8 +3938,8 @@ def wrong_thread(what: str, eng: Any) -> str:
 
     Example:
         >>> class E: id = 1
-        >>> wrong_thread("macroflow was called", E())[:72]
-        "macroflow was called from a thread other than context 1's, which runs i"
+        >>> print(wrong_thread("macroflow was called", E())[:64])
+        macroflow was called from a thread other than context 1's, which
     """
     if eng.id == 0:
         return (f"{what} from a thread other than the one that started the computation; "

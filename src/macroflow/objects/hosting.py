@@ -101,13 +101,13 @@ class _OwnLabel(str):
     calls: Optional[Callable[[str, tuple], str]] = None
 
 
-def _call_name(label: Any, call: Call) -> str:
-    """How an error names ``call`` to an object labelled ``label``: as the
-    label's ``calls`` names it (see :class:`_OwnLabel`), else ``method()``.
+def _call_name(label: Any, call: Call, plain: str) -> str:
+    """How ``call`` to an object labelled ``label`` is named: as the label's
+    ``calls`` names it (see :class:`_OwnLabel`), else ``plain``.
 
     Example:
         >>> from macroflow.core.context import Call
-        >>> _call_name("Counter", Call((0, 1), "persistent", None, "incr", (), {}, None, 0, 0))
+        >>> _call_name("Counter", Call((0, 1), "p", None, "incr", (), {}, None, 0, 0), "incr()")
         'incr()'
     """
     calls = getattr(label, "calls", None)
@@ -116,7 +116,7 @@ def _call_name(label: Any, call: Call) -> str:
             return calls(call.method, call.args)
         except Exception:
             pass
-    return f"{call.method}()"
+    return plain
 
 
 def _run_hook(hook: Callable[[], Any]) -> None:
@@ -535,7 +535,8 @@ class ObjectHost(Model):
         eng._invoke(getattr(obj.instance, call.method, None), call)
 
     def _dead_object_error(self, obj: HostedObject, call: Call) -> errors.ObjectDestroyed:
-        what = "destroy()" if call.method == DESTROY else _call_name(obj.label, call)
+        what = "destroy()" if call.method == DESTROY else \
+            _call_name(obj.label, call, f"{call.method}()")
         if obj.state == "broken":
             err = errors.ObjectDestroyed(f"{obj.label} could not be created, so {what} cannot "
                                          f"run: {type(obj.error).__name__}: {obj.error}")
@@ -637,13 +638,7 @@ class ObjectCalls(_HostedKind):
         if obj is not None:
             # a class may name its calls in its users' terms (a collection's
             # host names the element's method): see _OwnLabel
-            calls = getattr(obj.label, "calls", None)
-            if calls is not None:
-                try:
-                    return calls(call.method, call.args)
-                except Exception:
-                    pass
-            return f"{obj.label}.{call.method}"
+            return _call_name(obj.label, call, f"{obj.label}.{call.method}")
         return str(call.method)
 
     def check_wait(self, call: Call, f: Any) -> None:
