@@ -1122,6 +1122,7 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def run_until(self, pred: Callable[[], bool], deadline: Optional[float] = None,
                   whole_rounds: bool = False) -> bool:
+        # (whole_rounds matters to a driver of several engines: see inproc's)
         if self.in_guard is not None and not pred():
             self.guard_waits("")
         stepped = False

@@ -2504,8 +2504,9 @@ def _hello(comm: Any) -> None:
 def _rank_code(entry: str, watch: Optional["DeathWatch"]) -> str:
     """The program (``python -c``) of a rank spawned to run ``entry``: it
     starts MPI and merges first, by :mod:`rank_start` (loaded by its path),
-    then imports macroflow and runs :func:`_spawned`. Its last line ends
-    with this process's pid: ``_spawned(..., pid)``.
+    then imports macroflow and runs :func:`_spawned`. It is one line, and
+    ends with this process's pid: ``_spawned(..., pid)`` (how a process
+    tells the ranks it spawned).
 
     Example:
         >>> code = _rank_code("m:f", None)
