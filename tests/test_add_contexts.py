@@ -409,3 +409,19 @@ def test_a_context_whose_init_raised_may_end_before_its_report_is_read(run, tran
     errors, places = run(main, contexts=2)
     assert set(errors) <= {"MacroflowError", "ContextLost"}, errors
     assert not {2, 4, 6, 8, 10, 12, 14, 16} & set(places), places
+
+
+def _interrupted_init(cid):
+    raise KeyboardInterrupt  # as a Ctrl-C that comes while init runs
+
+
+def test_a_ctrl_c_during_init_on_inproc_interrupts_the_program(capsys):
+    # init runs in the program's own thread there: the Ctrl-C was taken for
+    # init's error (MacroflowError), and main went on
+    def main():
+        mf.add_contexts(1, init=_interrupted_init)
+        return "went on"
+
+    with pytest.raises(KeyboardInterrupt):
+        mf.run(main, contexts=2, transport="inproc")
+    assert "macroflow: interrupted (Ctrl-C)" in capsys.readouterr().err

@@ -415,7 +415,7 @@ class InprocLauncher(Launcher):
             self.world.engines.append(eng)
             prev, _ctx._state.current = _ctx._state.current, eng
             try:
-                joined(eng, lambda: init)
+                joined(eng, lambda: init, in_main=True)
             finally:
                 _ctx._state.current = prev
 
@@ -845,7 +845,10 @@ def add_contexts(n: int, init: Optional[Callable[[int], Any]] = None,
             seconds (its ``init`` had not returned): it counts as lost, no
             work is placed on it, and it is stopped (on ``local`` and
             ``tcp``; elsewhere it ends with the computation). Those that
-            reported in are used (``added`` lists them).
+            reported in are used (``added`` lists them). On ``inproc``,
+            where ``init`` runs in the program's own thread, nothing can
+            stop it: ``add_contexts`` returns once it does, and the timeout
+            is not applied.
         LimitError: this host cannot hold ``n`` more contexts (too little
             memory, RLIMIT_NPROC, or on ``local`` and ``tcp`` too few free
             file descriptors, RLIMIT_NOFILE): found before any is started.
@@ -1073,17 +1076,21 @@ def fork_error(ctx: int, n: int, err: OSError) -> Exception:
     return err
 
 
-def joined(eng: Engine, get_init: Callable[[], Any]) -> bool:
+def joined(eng: Engine, get_init: Callable[[], Any], in_main: bool = False) -> bool:
     """Run the ``init`` of a context added while running (``get_init()`` gives
     it, or None), then report in to context 0 with this context's description,
-    or with the error init raised. Returns False if init failed."""
+    or with the error init raised. Returns False if init failed. ``in_main``:
+    init runs in the program's own thread (inproc), where a Ctrl-C is the
+    program's, not init's error."""
     error = None
     try:
         init = get_init()
         if init is not None:
             eng.transport.settle(5.0)  # (tcp: what connects to it now is answered, not timed out)
             init(eng.id)
-    except BaseException:
+    except BaseException as e:
+        if in_main and isinstance(e, KeyboardInterrupt):
+            raise
         error = traceback.format_exc()
     addresses = getattr(eng.transport, "addresses", None)
     protocols = addresses() if addresses is not None else (eng.transport.address(),)
