@@ -1328,12 +1328,15 @@ def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once
 def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
     # (every rank said it: three lines for -n 3)
     script = tmp_path / "nomain.py"
-    script.write_text("x = 1\n")
+    script.write_text("raise ValueError('at the top level')\n")
     out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "3", "--transport",
                           "mpi", str(script)], capture_output=True, text=True, timeout=60,
                          env=_env())
     assert out.returncode == 1
     assert out.stderr.count("defines no function main()") == 1, out.stderr
+    # (on local the script runs first, and its error is what is said: here it is
+    # not run, and the message says so, not leaving the error a mystery)
+    assert "on mpi the script is not run without one" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("given, said", [

@@ -129,7 +129,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             traceback.print_exc(limit=0)
             return 1
         if not _may_define(source, args.main):  # (said once, not by every rank)
-            raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}()")
+            # (found in its source: no rank is started for it, so it was not
+            # run, and an error its top level would raise is not seen)
+            raise SystemExit(f"macroflow run: {args.script} defines no function {args.main}() "
+                             f"(found in its source; on mpi the script is not run without one)")
         return _run_under_mpiexec(args)
     # the script's own arguments, already while its top level runs (an
     # argparse parser there, as `python script.py --n 5` would see them)
