@@ -1738,3 +1738,41 @@ def test_a_spawn_removes_the_segments_a_killed_job_left():
         for path in (left, fresh, held):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+INIT_TIMES_OUT = """
+    import time
+    import macroflow as mf
+
+    def hang(cid):
+        if cid % 2 == 0:  # context 2 never ends its init; context 3 does
+            time.sleep(1000)
+
+    @mf.regular
+    class Where:
+        def where(self):
+            return mf.context_id()
+
+    def main():
+        try:
+            mf.add_contexts(2, init=hang, timeout=2)
+        except mf.TimeoutError as e:
+            assert e.added == [3], e.added
+        return sorted(set(mf.gather([Where().where() for _ in range(20)])))
+
+    print(mf.run(main, contexts=2, transport="mpi"))
+"""
+
+
+def test_a_rank_asked_to_leave_as_it_leaves_calls_no_mpi_after_finalizing(tmp_path):
+    # the SIGTERM that asks a slow rank to leave came while it was in
+    # MPI_Finalize, and its handler called MPI: "Attempting to use an MPI
+    # routine (internal_Improbe) ... after finalizing MPICH" (5 runs in 6)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(INIT_TIMES_OUT))
+    for _ in range(2):
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=90, env=_env())
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[-1] == "[0, 1, 3]", out.stdout
+        assert "after finalizing" not in out.stderr, out.stderr[-2000:]

@@ -820,6 +820,14 @@ def _leave(code: int = 0) -> None:  # pragma: no cover - ends the process
         pass
     DeathWatch.bye()  # this end is in order: the parent is not to report it
     try:
+        # leaving already: a SIGTERM now (context 0 asking a slow rank to
+        # leave) would run the computation's handler, which calls MPI, in
+        # the middle of MPI_Finalize ("Attempting to use an MPI routine ...
+        # after finalizing MPICH")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        pass  # (not the main thread: no handler of ours runs there)
+    try:
         if _MPI is not None and _MPI.Is_initialized() and not _MPI.Is_finalized():
             from ..core.threads import quiesce
             quiesce()  # no service thread may call MPI from here on
