@@ -1776,3 +1776,45 @@ def test_a_rank_asked_to_leave_as_it_leaves_calls_no_mpi_after_finalizing(tmp_pa
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.splitlines()[-1] == "[0, 1, 3]", out.stdout
         assert "after finalizing" not in out.stderr, out.stderr[-2000:]
+
+
+BROKEN_IN_RANKS = """
+    import sys
+
+    class Broken:  # macroflow cannot be imported in a spawned rank (python -c)
+        def find_spec(self, name, path=None, target=None):
+            if name == "macroflow" and sys.argv[0] == "-c":
+                raise ImportError("macroflow is broken in this rank")
+            return None
+
+    sys.meta_path.insert(0, Broken())
+"""
+
+BROKEN_JOB = """
+    import macroflow as mf
+    try:
+        mf.init(contexts=2, transport="mpi")
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+        print(str(e).splitlines()[-1])
+"""
+
+
+def test_a_spawned_rank_that_cannot_import_macroflow_says_why_and_leaves_in_order(tmp_path):
+    # it imports macroflow after it has started MPI and merged (rank_start):
+    # it still says why, and ends MPI in order, leaving no MPICH file
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(BROKEN_IN_RANKS))
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(BROKEN_JOB))
+    env = _env()
+    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
+    before = M.mpich_shm_files()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=90)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stdout.splitlines() if "UCX" not in line]
+    assert said == ["spawned rank 1 could not start (macroflow.transport.mpi:_serve_spawned):",
+                    "ImportError: macroflow is broken in this rank"], out.stdout
+    assert not [f for f in M.mpich_shm_files() - before if not M.in_use(f)]

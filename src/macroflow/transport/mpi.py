@@ -2534,7 +2534,7 @@ def _rank_code(entry: str, watch: Optional["DeathWatch"]) -> str:
         f"import os, sys; os.chdir({os.getcwd()!r}); sys.path[:] = {list(sys.path)!r}",
         f"_r = {{}}; exec(compile(open({start!r}).read(), {start!r}, 'exec'), _r)",
         f"_c, _w = _r['start']({watches!r}, {pid}, {sorted(int(s) for s in HANDLED_SIGNALS)!r})",
-        f"_spawned = _r['load'](_c, {HELLO})",
+        f"_spawned = _r['load'](_c, _w, {HELLO})",
         f"_spawned({entry!r}, _c, _w, {pid})",
     ])
 

@@ -114,9 +114,11 @@ def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no 
             _leave_orphaned()
 
 
-def load(comm: Any, tag: int) -> Any:  # pragma: no cover - in a rank
+def load(comm: Any, reporting: List[socket.socket], tag: int) -> Any:  # pragma: no cover - in a rank
     """macroflow's ``_spawned``, imported; if it cannot be, the spawner is
-    told why (as a hello of ``tag``, with the traceback) and this rank leaves."""
+    told why (as a hello of ``tag``, with the traceback) and this rank
+    leaves in order: its watches told (``reporting``) and MPI ended, or
+    MPICH's shared-memory files would stay behind."""
     try:
         from macroflow.transport.mpi import _spawned
         return _spawned
@@ -124,5 +126,12 @@ def load(comm: Any, tag: int) -> Any:  # pragma: no cover - in a rank
         import traceback
         try:
             comm.send(("error", traceback.format_exc()), dest=0, tag=tag)
+            for s in reporting:
+                s.sendall(b"B")
+            from mpi4py import MPI
+            MPI.Finalize()
         finally:
-            os._exit(1)
+            # (C's exit, as macroflow's ranks end: the network modules' own
+            # exit handlers close their connections and files)
+            import ctypes
+            ctypes.CDLL(None).exit(1)
