@@ -1697,19 +1697,25 @@ SPAWN_CPU = """
 """
 
 
+def _run_with_site(tmp_path, site_code, body):
+    """Run ``body`` as a script whose processes (the spawned ranks too) first
+    run ``site_code`` as their sitecustomize; the finished process."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(site_code))
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    env = _env()
+    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=90)
+
+
 def test_spawned_ranks_merge_before_they_import_macroflow(tmp_path):
     # MPI's spawn and merge return in the spawner once every new rank has
     # merged, and MPICH spins a core meanwhile: ranks that imported
     # macroflow first (here 2 s slower) kept it spinning that long
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(SLOW_IMPORT))
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(SPAWN_CPU))
-    env = _env()
-    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=90)
+    out = _run_with_site(tmp_path, SLOW_IMPORT, SPAWN_CPU)
     assert out.returncode == 0, out.stderr
     used = float([line for line in out.stdout.splitlines() if "UCX" not in line][-1])
     # (through the ranks' 2 s import it used about 1.2 s of CPU; 0.12 to 0.15 s now)
@@ -1803,16 +1809,8 @@ BROKEN_JOB = """
 def test_a_spawned_rank_that_cannot_import_macroflow_says_why_and_leaves_in_order(tmp_path):
     # it imports macroflow after it has started MPI and merged (rank_start):
     # it still says why, and ends MPI in order, leaving no MPICH file
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(BROKEN_IN_RANKS))
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(BROKEN_JOB))
-    env = _env()
-    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
     before = M.mpich_shm_files()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=90)
+    out = _run_with_site(tmp_path, BROKEN_IN_RANKS, BROKEN_JOB)
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stdout.splitlines() if "UCX" not in line]
     assert said == ["spawned rank 1 could not start (macroflow.transport.mpi:_serve_spawned):",
