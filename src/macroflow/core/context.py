@@ -435,9 +435,9 @@ class Engine:
         self.blocked_version = 0  # changes whenever a wait starts or ends
         self.next_probe = 0.0
         self.timed_wait = False  # main waits with a timeout: start no regular call here
-        self.stop_at: Optional[float] = None  # inproc: leave the inbox for later after this time
-        # inproc: ... or once this says so (context 0 has something to take)
-        self.stop_for: Optional[Callable[[], bool]] = None
+        # inproc: leave the inbox for later once this says so (a waiter in this
+        # thread is due, or context 0 has something to take)
+        self.stop_when: Optional[Callable[[], bool]] = None
         self.loads = [0] * size
         # contexts added while running, as they report in: id -> their description
         self.joined: Dict[int, Any] = {}
@@ -1214,14 +1214,11 @@ class Engine:
 
     def _process(self) -> None:
         inbox = self.inbox
-        stop = self.stop_at
+        stop = self.stop_when
         while True:
             while inbox:
-                if stop is not None:
-                    if time.monotonic() >= stop:
-                        break  # a waiter in this thread is due (inproc): the rest can wait
-                    if self.stop_for is not None and self.stop_for():
-                        break  # (inproc) context 0's main waits, and has something to take
+                if stop is not None and stop():
+                    break  # (inproc) the rest can wait: see stop_when
                 src, bufs, load = inbox.popleft()
                 try:
                     self.loads[src] = load

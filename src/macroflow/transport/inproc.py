@@ -9,9 +9,8 @@ hanging.
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..core import errors
 from .base import Transport
@@ -62,6 +61,23 @@ class InprocTransport(Transport):
 
     def address(self):
         return ("inproc", f"world-{id(self.world):x}")
+
+
+def _stop_rule(deadline: Optional[float],
+               for_first: Optional[Callable[[], bool]]) -> Optional[Callable[[], bool]]:
+    """When a context driven by :meth:`World.run_until` leaves the rest of
+    its inbox for later: once ``deadline`` (time.monotonic) has passed, or
+    once ``for_first()`` says context 0 has something to take; None: never.
+
+    Example:
+        >>> _stop_rule(None, None) is None, _stop_rule(0.0, None)()
+        (True, True)
+    """
+    if deadline is None:
+        return for_first
+    if for_first is None:
+        return lambda: time.monotonic() >= deadline
+    return lambda: time.monotonic() >= deadline or for_first()
 
 
 class World:
@@ -123,8 +139,9 @@ class World:
         another context has sent it something (or ``pred()`` holds), that
         context takes no further message, and ``pred`` is asked again as
         soon as context 0 has taken it, so a wait for the first of several
-        ends with the first, not after every call queued elsewhere. ``whole_rounds``: every context has its
-        turn before ``pred`` is asked again (a poll's round).
+        ends with the first, not after every call queued elsewhere.
+        ``whole_rounds``: every context has its turn before ``pred`` is asked
+        again (a poll's round).
 
         Example:
             >>> World().run_until(lambda: True)
@@ -160,17 +177,15 @@ class World:
                 # a timer that is due gets its turn too: a thread may poll forever
                 if eng.busy() or (eng.timers  # type: ignore[attr-defined]
                                   and eng.timers[0][0] <= now):  # type: ignore[attr-defined]
-                    yields = not whole_rounds and eng is not first
-                    eng.stop_at = stop if stop is not None or not yields \
-                        else math.inf  # type: ignore[attr-defined]
-                    eng.stop_for = for_first if yields else None  # type: ignore[attr-defined]
+                    eng.stop_when = _stop_rule(  # type: ignore[attr-defined]
+                        stop, None if whole_rounds or eng is first else for_first)
                     try:
                         eng.process()  # type: ignore[attr-defined]
                     except KeyboardInterrupt as e:
                         eng.interrupted(e)  # type: ignore[attr-defined]
                         raise
                     finally:
-                        eng.stop_at = eng.stop_for = None  # type: ignore[attr-defined]
+                        eng.stop_when = None  # type: ignore[attr-defined]
                     progressed = True
                     if not whole_rounds:
                         if eng is first:
