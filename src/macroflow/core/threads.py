@@ -326,6 +326,22 @@ QUIET_MODULES = frozenset({"numpy", "scipy"})
 _when_loaded: dict = {}
 
 
+def _handled_blocked(fn: Callable[[Any], Any], arg: Any) -> Any:
+    """``fn(arg)`` with :data:`HANDLED_SIGNALS` blocked in this thread (and
+    in the threads it starts meanwhile, which keep that mask).
+
+    Example:
+        >>> _handled_blocked(lambda s: s in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+        ...                  signal.SIGTERM)
+        True
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        return fn(arg)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class QuietFinder:
     """The finder (first in :data:`sys.meta_path`) that has the modules of
     :data:`QUIET_MODULES` loaded with the handled signals blocked, so that
@@ -363,18 +379,10 @@ class QuietFinder:
         # (an extension module's library, and the threads it starts, load in
         # create_module; a package's __init__ imports them in exec_module)
         def create_module(spec: Any) -> Any:
-            previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-            try:
-                return create(spec)  # type: ignore[misc]
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            return _handled_blocked(create, spec)
 
         def exec_module(module: Any) -> None:
-            previous = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-            try:
-                run(module)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            _handled_blocked(run, module)
             for hook in _when_loaded.pop(name, ()) if _when_loaded else ():
                 hook(module)
         try:
