@@ -526,11 +526,7 @@ class DeathWatch:
     def bye(cls) -> None:
         """In a rank that ends in order: say so before the connections close."""
         socks, cls._reporting = cls._reporting, []
-        for s in socks:
-            try:
-                s.sendall(b"B")
-            except OSError:
-                pass
+        rank_start.bye(socks)
 
 
 #: where this process's :class:`DeathWatch` reports the deaths it hears of
@@ -2550,7 +2546,7 @@ def _spawned(entry: str, comm: Any, reporting: List[socket.socket],
         _MPI = MPI
     DeathWatch._reporting = [*DeathWatch._reporting, *reporting]
     from ..core.threads import start_thread
-    start_thread(_orphan_watch, "macroflow-spawned-watch", (spawner,))
+    start_thread(rank_start.watch_spawner, "macroflow-spawned-watch", (spawner, _settled))
     if not entry.endswith((":_serve_added", ":_serve_spawned")):
         _settled.set()  # (a served rank waits for its setup first: see _serve)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is context 0's to handle
@@ -2568,22 +2564,8 @@ def _spawned(entry: str, comm: Any, reporting: List[socket.socket],
     _leave(0)
 
 
-#: set once a spawned rank no longer needs its spawner watched (see _orphan_watch)
+#: set once a spawned rank no longer needs its spawner watched (see rank_start.watch_spawner)
 _settled = threading.Event()
-
-
-def _orphan_watch(spawner: int) -> None:  # pragma: no cover - in a rank
-    # A rank waits for context 0's setup once it has merged (rank_start
-    # watches the merge; one added while the computation runs, for its plan,
-    # and joins the live contexts): context 0 interrupted in between left it
-    # waiting (or spinning in MPI) for ever, so this watch goes on until it
-    # has its setup (no deadline: context 0 may be slow, but not gone).
-    while not _settled.wait(0.2):
-        if _ended(spawner):
-            _leave_orphaned()
-
-
-_ended = rank_start.ended
 
 
 def _leave_orphaned() -> None:  # pragma: no cover - in a rank
@@ -2624,7 +2606,7 @@ def _serve(comm: Any, spawned: bool) -> None:  # pragma: no cover - runs in rank
         _hello(comm)
     setup = _poll_messages(comm, SETUP, 1, "waiting for context 0", None,
                            lambda have: "context 0")[0]
-    _settled.set()  # (its spawner's end is heard as any context's from here: see _orphan_watch)
+    _settled.set()  # (its spawner's end is heard as any context's from here)
     if setup is None:
         return  # context 0 was interrupted as this rank started (see _send_away)
     if spawned:
@@ -2699,7 +2681,7 @@ def _serve_added(parent: Any) -> None:  # pragma: no cover - runs in a rank adde
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     inter = MPI.COMM_WORLD.Create_intercomm(0, parent, 0, GROW_TAG)
     comm = inter.Merge(high=True)
-    _settled.set()  # (joined: context 0's end is heard as any context's; see _orphan_watch)
+    _settled.set()  # (joined: context 0's end is heard as any context's from here)
     inter.Free()
     transport = MpiTransport(comm, go["spin_us"], wake=(go["computation"], go["hosts"]),
                              members=list(go["live"]) + list(go["ids"]),

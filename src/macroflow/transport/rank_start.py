@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 #: seconds a spawned rank waits for its spawner to merge with it
 MERGE_WAIT = 60.0
@@ -93,8 +93,8 @@ def start(watches: Iterable[str], spawner: int,
         from mpi4py import MPI
         merged = threading.Event()
         # (started while the signals are blocked: the thread keeps them blocked)
-        threading.Thread(target=_orphan_watch, args=(spawner, merged), daemon=True,
-                         name="macroflow-merge-watch").start()
+        threading.Thread(target=watch_spawner, args=(spawner, merged, MERGE_WAIT),
+                         daemon=True, name="macroflow-merge-watch").start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     comm = MPI.Comm.Get_parent().Merge(high=True)
@@ -102,16 +102,35 @@ def start(watches: Iterable[str], spawner: int,
     return comm, reporting
 
 
-def _orphan_watch(spawner: int, merged: threading.Event) -> None:  # pragma: no cover - in a rank
-    # The spawner merges with its new ranks as soon as MPI has started them;
-    # one that ended in between never does, and its ranks waited in the merge
-    # for ever, spinning. A rank whose spawner has ended, or has not merged in
-    # MERGE_WAIT s, leaves, removing MPICH's files that only it still maps.
-    deadline = time.monotonic() + MERGE_WAIT
-    while not merged.wait(0.2):
-        if ended(spawner) or time.monotonic() > deadline:
+def watch_spawner(spawner: int, until: threading.Event,
+                  wait: Optional[float] = None) -> None:  # pragma: no cover - in a rank
+    """Until ``until`` is set, leave this rank (removing MPICH's files that
+    only it still maps) if its spawner has ended or ``wait`` seconds have
+    passed. The spawner merges with its new ranks as soon as MPI has started
+    them; one that ended in between never does, and its ranks waited in the
+    merge for ever, spinning (``until``: merged, within MERGE_WAIT s). A rank
+    then waits for context 0's setup: context 0 interrupted in between left
+    it waiting for ever too (``until``: it has its setup; no ``wait``, since
+    context 0 may be slow, but not gone)."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while not until.wait(0.2):
+        if ended(spawner) or (deadline is not None and time.monotonic() > deadline):
             from macroflow.transport.mpi import _leave_orphaned
             _leave_orphaned()
+
+
+def bye(reporting: Iterable[socket.socket]) -> None:
+    """Tell the death watches of ``reporting`` (see :func:`report`) that this
+    process ends in order, so that its end is not reported as a death.
+
+    Example:
+        >>> bye([])
+    """
+    for s in reporting:
+        try:
+            s.sendall(b"B")
+        except OSError:
+            pass
 
 
 def load(comm: Any, reporting: List[socket.socket], tag: int) -> Any:  # pragma: no cover - in a rank
@@ -126,8 +145,7 @@ def load(comm: Any, reporting: List[socket.socket], tag: int) -> Any:  # pragma:
         import traceback
         try:
             comm.send(("error", traceback.format_exc()), dest=0, tag=tag)
-            for s in reporting:
-                s.sendall(b"B")
+            bye(reporting)
             from mpi4py import MPI
             MPI.Finalize()
         finally:
