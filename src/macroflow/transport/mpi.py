@@ -70,7 +70,12 @@ writer that sees the flag clears it and wakes the reader (see
 :class:`Waker`). A writer whose ring is full takes what comes for it while
 it waits, as for MPI's window. A peer's goodbye comes by MPI after what its
 ring holds, which is delivered first; its rings are unmapped at the next
-poll. The rings are in memfds: nothing of them is left in ``/dev/shm``,
+poll. A rank switches to a peer's ring as soon as it has mapped it. Once
+every peer of a rank writes to it by ring, the rank probes MPI only when
+told to: a sender puts a POKE in the ring after each message it sends
+there by MPI (a large frame, a credit, a goodbye), and the reader probes
+until that message is in (and once in :data:`_QUIET_LOOK` passes all the
+same), so a call between two ranks of one host makes no MPI call at all. The rings are in memfds: nothing of them is left in ``/dev/shm``,
 whatever ends a rank (a rank's wake-up page, see :class:`Waker`, is a file
 there: one left by a killed rank is removed by the next job on the host).
 
@@ -130,6 +135,7 @@ _MPI_LOOK = 8  # a spin with rings probes MPI this seldom (see _spin)
 _EAGER_LOOKS = 8  # a rank woken for a frame looks this often before it yields its core
 SPIN_GROWTH = 20  # the spin grows to at most this many times spin_us (see _adapt)
 _RING_LOOK = 16  # while rings deliver, look at MPI every this many passes
+_QUIET_LOOK = 64  # every peer on rings: MPI is probed unasked this seldom (see _requiet)
 POLLING, SENT, OWNER = 0, 1, 2  # the words of a rank's shared page (see Waker)
 _STATE_BYTES = 24
 _REC = struct.Struct("<II")
@@ -1101,6 +1107,15 @@ class MpiTransport(Transport):
         self.held: Dict[int, Deque[_Frame]] = {}  # frames by MPI waiting for their MARK
         self.reading: Set[int] = set()  # peers whose ring _ring_read goes through
         self.pokes: Set[int] = set()  # peers with frames queued in their ring: see flush
+        # MPI probed only when told (see _quiet): per peer that writes to us
+        # by ring, the messages its POKEs announced less those taken from
+        # MPI; the peers that owe some; whether every peer writes by ring
+        self.owed: Dict[int, int] = {}
+        self.owing: Set[int] = set()
+        self.marked: Set[int] = set()  # peers whose ring waits at a MARK for its frame
+        self.quiet = False
+        self.quiet_passes = 0  # passes of _progress since MPI was last probed
+        self.probe_passes = 0  # passes of _progress that probed MPI
         self.mapped: List[_ring.Ring] = []  # the peers' rings we write to
         self.dead: List[_ring.Ring] = []  # rings of peers that left, unmapped at the next poll
         # peers whose process died, and how (see DeathWatch): appended by
@@ -1150,6 +1165,7 @@ class MpiTransport(Transport):
         self.links.append(comm)
         self.members.append(members)
         self.rx.append((comm, None if members == list(range(len(members))) else members))
+        self._requiet()  # (new peers write by MPI until their SWITCH)
 
     def _learn_hosts(self, hosts: Mapping[int, str]) -> None:
         """Which contexts run on which host: those on ours can wake us."""
@@ -1262,7 +1278,15 @@ class MpiTransport(Transport):
                         if not r.put(d, load):
                             self._wait_ring(dest, r, d, load, 0)
                         self.ring_sent += 1
-                        self._wake_ring(dest, r)
+                        # self._wake_ring(dest, r), inline, as local's send has it
+                        lock = _ring._fence_lock
+                        lock.acquire()
+                        lock.release()
+                        bell = r.bell
+                        if bell[_ring.NAP]:
+                            bell[_ring.NAP] = 0
+                            self.wakeups += 1
+                            self.waker.wake(self.wakes[dest])  # type: ignore[union-attr]
                         return 16 + len(d)
                 return self._ring_send(dest, r, parts, load, True)
         self._check(dest)
@@ -1349,6 +1373,12 @@ class MpiTransport(Transport):
                                 data))
         if len(data) > EAGER:
             self.pushing += 1
+        r = self.rout.get(dest)
+        if r is not None:
+            # it reads us by ring, and looks at MPI only when told so (see
+            # _requiet): a POKE in the ring, after the message, tells it
+            if not r.put(b"", 0, _ring.POKE):
+                self._wait_ring(dest, r, b"", 0, _ring.POKE)
         if len(self.unfinished) > 32:
             self._reap()
         if w is not None and (st is None or not st[POLLING]):
@@ -1473,6 +1503,7 @@ class MpiTransport(Transport):
         self.rin[src] = r
         self.rins = list(self.rin.items())
         self.bell_seen = -1  # look at every ring at the next pass
+        self._requiet()
 
     def _switch(self, dest: int) -> _ring.Ring:
         """Write to ``dest``'s ring from now on: the frames queued for MPI go
@@ -1595,11 +1626,15 @@ class MpiTransport(Transport):
                         if not q:
                             if not final:
                                 words[_ring.HEAD] = head
-                                return got  # still on its way: read again when it comes
+                                # still on its way: read again when it comes
+                                # (its POKE, behind the MARK, is not read yet)
+                                self.marked.add(p)
+                                return got
                             head += 8
                             r.pos = head
                             continue
                         f = q.popleft()
+                        self.marked.discard(p)
                         head += 8
                         r.pos = head
                         got = self._hand_frame(p, f) or got
@@ -1610,6 +1645,12 @@ class MpiTransport(Transport):
                         r.pos = head
                         self.ring_got += 1
                         got = self._hand(p, bufs, fload) or got
+                    elif n == _ring.POKE:  # p sent us a message by MPI: see _requiet
+                        head += 8
+                        r.pos = head
+                        o = self.owed[p] = self.owed.get(p, 0) + 1
+                        if o > 0:
+                            self.owing.add(p)
                     else:  # MANY: a frame of several buffers, as one MPI record
                         nb, fload = _REC.unpack_from(mm, base + 8)
                         lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
@@ -1702,6 +1743,24 @@ class MpiTransport(Transport):
                 self.dead.append(r)
         self.rins = list(self.rin.items())
         self.pokes.discard(p)
+        self.owed.pop(p, None)
+        self.owing.discard(p)
+        self.marked.discard(p)
+        self._requiet()
+
+    def _requiet(self) -> None:
+        """Whether MPI is probed only when told (``quiet``): when every peer
+        that may send us a message writes to us by ring. Such a peer POKEs
+        its ring after each message it sends us by MPI (see :meth:`_post`),
+        after its SWITCH, so the reader knows when MPI holds something (a
+        large frame behind its MARK, a credit, a goodbye). Then a null call
+        makes no MPI call at all; before, a probe (0.75 us here) every 8th
+        look of a spin, every 16th pass and every 3rd send made the null
+        call on ``mpi`` 4 to 8% slower than on ``local``. A pass probes
+        unasked every :data:`_QUIET_LOOK` all the same."""
+        rin, gone = self.rin, self.gone
+        self.quiet = bool(rin) and all(p in rin or p in gone
+                                       for p in range(self.size) if p != self.ctx)
 
     def _close_rings(self) -> None:
         self.rin, self.rins, self.offers, self.rout, self.rout_next = {}, [], {}, {}, {}
@@ -1725,6 +1784,11 @@ class MpiTransport(Transport):
         (one probe: what a send that goes by a ring asks before a whole pass)."""
         if self.inflight or self.pushing:
             return True
+        if self.quiet and not self.closing:
+            # what MPI holds for us was announced by a POKE: read already,
+            # or in a ring not read yet (which a peer wrote since we looked)
+            return bool(self.owing or self.marked) \
+                or self.host.words[_ring.BELL] != self.bell_seen  # type: ignore[union-attr]
         status, anyone = self.status, self.any_source
         for comm, _ in self.rx:
             if comm.Iprobe(anyone, FRAME, status):
@@ -1744,6 +1808,13 @@ class MpiTransport(Transport):
         if self.died:
             self._on_died()
             return True
+        if self.rout_next and not self.closing:
+            # a peer that offered us its ring is written to there from now
+            # on, not from our first frame for it: until every peer writes
+            # to it by ring, a rank probes MPI unasked (see _requiet)
+            for dest in list(self.rout_next):
+                if dest not in self.gone:
+                    self._switch(dest)
         if self.signalling and self.rins and not self.host.words[_ring.NAP]:  # type: ignore[union-attr]
             # a writer that woke us cleared NAP: flag it again before this
             # look, or its next frame would raise no signal
@@ -1940,16 +2011,29 @@ class MpiTransport(Transport):
             got = self._advance() or got
         if self.pushing or len(self.unfinished) > 16:
             self._reap()
-        status, anyone, byte = self.status, self.any_source, self.byte
-        for comm, members in self.rx:
-            for _ in range(_PROBES):
-                msg = comm.Improbe(anyone, FRAME, status)
-                if msg is None:
-                    break
-                src = status.Get_source()
-                buf = bytearray(status.Get_count(byte))
-                msg.Recv([buf, byte])
-                got = self._parse(src if members is None else members[src], buf) or got
+        if self.quiet and not self.owing and not self.marked and not self.closing \
+                and self.quiet_passes < _QUIET_LOOK:
+            self.quiet_passes += 1  # nothing was announced: no probe (see _requiet)
+        else:
+            self.quiet_passes = 0
+            self.probe_passes += 1
+            status, anyone, byte = self.status, self.any_source, self.byte
+            rin, owed, owing = self.rin, self.owed, self.owing
+            for comm, members in self.rx:
+                for _ in range(_PROBES):
+                    msg = comm.Improbe(anyone, FRAME, status)
+                    if msg is None:
+                        break
+                    src = status.Get_source()
+                    if members is not None:
+                        src = members[src]
+                    if src in rin:  # one its ring announced (or will: see _requiet)
+                        o = owed[src] = owed.get(src, 0) - 1
+                        if o <= 0:
+                            owing.discard(src)
+                    buf = bytearray(status.Get_count(byte))
+                    msg.Recv([buf, byte])
+                    got = self._parse(src, buf) or got
         if self.bell_seen == -1 and self.rins:
             # a SWITCH that came, a frame a MARK waits for: look again
             got = self._rings() or got
@@ -2085,7 +2169,7 @@ class MpiTransport(Transport):
             self.gone.add(peer)
             self.wbuf.pop(peer, None)
             self.inflight.pop(peer, None)
-            self._forget_rings(peer)
+            self._forget_rings(peer)  # (and _requiet)
             if not self.closing and self.lost is not None:
                 self.lost(peer, how)
 
@@ -2100,6 +2184,7 @@ class MpiTransport(Transport):
             self.acked.add(src)  # we said goodbye too: its goodbye answers ours
             return
         self.gone.add(src)
+        self._requiet()
         self.wbuf.pop(src, None)
         try:
             self._control(src, ACK)  # after everything we sent it: it can go
