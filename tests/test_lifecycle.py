@@ -76,6 +76,19 @@ def test_context_exiting_fails_arcs_on_other_contexts():
     assert isinstance(err, mf.ContextLost) and err.context == 1
 
 
+def test_a_call_fails_once_a_context_of_one_argument_is_lost_not_when_the_others_come():
+    # it waited for its other argument (here, for ever) before it said so
+    def main():
+        held = Gate.create(on=1).wait(1)  # never opens
+        doomed = Gate.create(on=2).wait(2)
+        consumer = Work.create(on=0).echo([held, doomed])
+        os.kill(_pid_of(2), signal.SIGKILL)
+        return consumer.exception(timeout=20)
+
+    err = mf.run(main, contexts=3)
+    assert isinstance(err, mf.ContextLost) and err.context == 2
+
+
 def test_context_exit_code_is_reported():
     def main():
         g = Gate.create(on=1)
@@ -839,6 +852,43 @@ def test_an_interrupt_raised_in_a_method_fails_its_call_and_nothing_waits(run, t
         # its traceback starts at the method: the runtime's frames under it
         # (ten of them, from the launcher on) said nothing to its author
         assert "in raise_it" in later and "serve_forever" not in later, later
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_call_of_context_0_fails_and_its_dependents_fail_without_interrupting(
+        run, transport):
+    # A method of context 0 interrupted (its interrupt goes on to main):
+    # main may catch it and go on, as a notebook does at a Ctrl-C. The call
+    # stayed pending for ever, and so did every call given its future. And
+    # on inproc, a call given the future of one an interrupt had failed (on
+    # any context) raised that interrupt again when it ran: main got a
+    # second KeyboardInterrupt at a later, unrelated wait.
+    def main():
+        f = _Interrupts.create(on=0).raise_it()
+        try:
+            f.result(30)
+        except KeyboardInterrupt:
+            pass
+        out = [type(f.exception(timeout=10)).__name__]
+        others = _Interrupts.create(on=1)
+        dependent = Work.create(on=1).echo(f)
+        out.append(type(dependent.exception(timeout=10)).__name__)
+        out.append(others.alive().result(30))
+        if transport == "inproc":  # (elsewhere context 1's own interrupt ends it)
+            g = others.raise_it()
+            try:
+                g.result(30)
+            except KeyboardInterrupt:
+                pass
+            h = Work.create(on=2).echo(g)
+            out.append(type(h.exception(timeout=10)).__name__)
+            out.append(Work.create(on=2).echo("unrelated").result(30))
+        return out
+
+    got = run(main)
+    assert got[:3] == ["KeyboardInterrupt", "KeyboardInterrupt", "alive"], got
+    if transport == "inproc":
+        assert got[3:] == ["KeyboardInterrupt", "unrelated"], got
 
 
 @mf.persistent

@@ -1218,6 +1218,56 @@ def test_a_failed_future_twice_among_plain_arguments_fails_the_call(run):
     assert isinstance(second, ValueError) and "later" in str(second)
 
 
+@mf.persistent
+class _Gate:
+    """A value held back until main lets it go: an argument still being
+    computed, without a sleep (a guard holds the call, not a thread)."""
+
+    def __init__(self):
+        self.open = False
+
+    @mf.guard(lambda self: self.open)
+    def value(self, x):
+        return x
+
+    def let_go(self):
+        self.open = True
+
+
+@mf.persistent
+class _Adder:
+    def add(self, a, b):
+        return a + b
+
+    def ping(self):
+        return "pong"
+
+
+def test_a_call_fails_at_once_when_an_argument_fails_while_another_is_still_to_come(run):
+    # It failed only once the other argument came: here never, since the
+    # gate opens only after the failure is seen (a computation of minutes,
+    # or a context that was lost, held the caller as long before)
+    def main():
+        gate = _Gate.create(on=1)
+        held = gate.value(5)
+        bad = Math.create(on=2).fail("upstream")
+        regular = Math.create(on=2).add(held, bad)
+        persistent = _Adder.create(on=2)
+        p = persistent.add(bad, held)
+        first, second = regular.exception(timeout=30), p.exception(timeout=30)
+        # the persistent object serves on: its next call does not wait for held
+        after = persistent.ping().result(30)
+        gate.let_go().result(30)
+        # the held value, when it comes, is taken by nobody: nothing breaks
+        again = persistent.add(held, 1).result(30)
+        return first, second, after, again, held.result(30)
+
+    first, second, after, again, held = run(main)
+    assert isinstance(first, ValueError) and "upstream" in str(first)
+    assert isinstance(second, ValueError) and "upstream" in str(second)
+    assert (after, again, held) == ("pong", 6, 5)
+
+
 def test_guard_reads_arguments_that_are_arcs(run):
     def main():
         m = Math()

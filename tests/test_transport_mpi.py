@@ -1325,6 +1325,46 @@ def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once
     assert time.monotonic() - t < 60
 
 
+KILLED_WITH_A_FULL_WINDOW = """
+    import os, signal, threading
+    import macroflow as mf
+
+    @mf.persistent
+    class Sink:
+        def pid(self):
+            return os.getpid()
+        def take(self, x):
+            return x
+
+    def main():
+        s = Sink.create(on=1)
+        pid = s.pid().result(30)
+        threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
+        fs = [s.take(i) for i in range(30000)]  # more than its window holds
+        try:
+            mf.gather(fs, timeout=30)
+        except mf.ContextLost as e:
+            return "lost: " + str(e)
+        return "not lost"
+
+    print(mf.run(main, contexts=2, transport="mpi"))
+"""
+
+
+def test_a_spawned_rank_killed_while_calls_wait_for_room_in_its_window_is_lost_at_once(tmp_path):
+    # (a send waiting for credits that a dead rank never gives waited for
+    # ever: in main's calls, then in the shutdown's; SIGTERM and Ctrl-C
+    # were taken there and the shutdown went back to the same wait)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(KILLED_WITH_A_FULL_WINDOW))
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90, env=_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("lost: context 1 was lost"), (out.stdout, out.stderr[-2000:])
+    assert time.monotonic() - t < 60
+
+
 def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
     # (every rank said it: three lines for -n 3)
     script = tmp_path / "nomain.py"

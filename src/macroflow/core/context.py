@@ -95,7 +95,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import errors, marshal
 from .future import FINISHED, PENDING, Arrivals, CoroutineType, Future, run_coroutine, site_label, stale_future
@@ -401,6 +401,9 @@ class Engine:
         self.seq = itertools.count(1)
         self.slots: Dict[Any, Slot] = {}
         self.tokens: Dict[Any, Tuple[bool, Any]] = {}
+        # arcs of calls that failed before these came (see _fail_early): their
+        # values are dropped as they come
+        self.unwanted: Set[Any] = set()
         self.awaiting: Dict[Any, Call] = {}
         # fid -> [home, label, labels...]: a value pulled here for the call of
         # label, which the calls of the other labels wait for too (see _on_call)
@@ -1197,7 +1200,15 @@ class Engine:
         prev, _state.current = _state.current, self
         self.dispatching = True
         try:
-            self._process()
+            try:
+                self._process()
+            except INTERRUPTS as e:
+                if self.id == 0 and self.interrupted_call is not None:
+                    # a method of context 0, interrupted: the interrupt goes
+                    # on to main, and the call fails with it (main may catch
+                    # it and go on: nothing must wait for that call for ever)
+                    self.interrupted(e)
+                raise
             while self.lost_queue:
                 self._on_lost(self.lost_queue.pop(0))
                 if self.inbox or self.ready:
@@ -1410,12 +1421,17 @@ class Engine:
             self.active += 1
         if arcs:
             tokens = self.tokens
+            failed = None
             for arc in arcs:  # (label, home), or (label, home, positions)
                 label, home = arc[0], arc[1]
-                if label in tokens:
+                tok = tokens.get(label)
+                if tok is not None:  # (an exception its issuer sent ahead of the call)
+                    if not tok[0]:
+                        failed = tok[1]
                     continue
                 if home in self.lost and home not in self.heirs:
-                    tokens[label] = (False, errors.ContextLost(home, self.lost[home]))
+                    failed = errors.ContextLost(home, self.lost[home])
+                    tokens[label] = (False, failed)
                     continue
                 self.awaiting[label] = call
                 call.missing += 1
@@ -1436,6 +1452,8 @@ class Engine:
                     else:
                         self.pulls[label[0]] = [home, label]
                         self.send_forward(home, label[0], self.id, label)
+            if failed is not None and call.missing:
+                self._fail_early(call, failed)
         handler.accept(call)
 
     def _unknown_kind(self, call: Call, src: int) -> None:
@@ -1486,11 +1504,19 @@ class Engine:
         if fn is None:
             self._finish(call, False, errors.CallError(f"no method {call.method!r}"))
             return
-        try:
-            if call.arcs:
+        if call.arcs:
+            try:
                 args, kwargs = self._args(call)
-            else:
-                args, kwargs = call.args, call.kwargs
+            except BaseException as e:
+                # an argument that failed, whatever its exception: one that
+                # was interrupted failed with the interrupt (see interrupted),
+                # which is no interrupt of this call's context
+                self.stats.calls_executed += 1
+                self._finish(call, False, e)
+                return
+        else:
+            args, kwargs = call.args, call.kwargs
+        try:
             if pre:
                 args = pre + tuple(args)
             svc = self.service
@@ -1611,6 +1637,11 @@ class Engine:
                 call.tokens = None
             if slot is not None:
                 slot.call = None
+            if not ok and call.arcs:
+                # the arguments it never took (it failed at an earlier one):
+                # nothing else ever will
+                for arc in call.arcs:
+                    self.tokens.pop(arc[0], None)
         if call.answered:
             if not ok:  # nobody waits for it any more: said here, with whose it is
                 print(f"macroflow: {self._call_label(call)} on context {self.id} raised after "
@@ -1962,10 +1993,16 @@ class Engine:
                 if len(pull) > 2:
                     self._share(call, pull[1:], ok, value)
                     return
+        if call is None and label in self.unwanted:
+            self.unwanted.discard(label)  # its call failed already (see _fail_early)
+            return
         self.tokens[label] = (ok, value)
         if call is not None:
             call.missing -= 1  # self._token_arrived(call, label, ok, value), inline
             if not call.missing:
+                self.call_kinds[call.kind].arguments_ready(call)
+            elif not ok:
+                self._fail_early(call, value)
                 self.call_kinds[call.kind].arguments_ready(call)
 
     def _value_label(self, label) -> str:
@@ -1992,15 +2029,34 @@ class Engine:
             c = call if i == 0 else self.awaiting.pop(label, None)
             if c is not None:
                 self._token_arrived(c, label, *tok)
-            elif ok:
-                tok[1].left -= 1  # (a call that is gone takes none)
+            else:
+                self.unwanted.discard(label)  # (see _fail_early)
+                if ok:
+                    tok[1].left -= 1  # (a call that is gone takes none)
 
     def _token_arrived(self, call: Call, label, ok, value) -> None:
         self.tokens[label] = (ok, value)
         call.missing -= 1
         if call.missing:
-            return
+            if ok:
+                return
+            self._fail_early(call, value)
         self.call_kinds[call.kind].arguments_ready(call)
+
+    def _fail_early(self, call: Call, exc: BaseException) -> None:
+        """An argument of ``call`` failed while others are still to come:
+        the call can never run, so it takes that error for each of them now
+        and is ready (it fails when its model starts it), rather than wait
+        for values it will not use (a computation of minutes, or the end of
+        a wait for a context that was lost). What comes for them is dropped."""
+        awaiting, tokens = self.awaiting, self.tokens
+        for arc in call.arcs:
+            label = arc[0]
+            if awaiting.get(label) is call:
+                del awaiting[label]
+                tokens[label] = (False, exc)
+                self.unwanted.add(label)
+        call.missing = 0
 
     def _on_ready(self, fid) -> None:
         ref = self.eager.pop(fid, None)
@@ -2665,6 +2721,8 @@ class Engine:
             if pull[0] == peer:
                 del self.pulls[fid]  # (its calls fail below: their arcs name peer)
         for label, call in list(self.awaiting.items()):
+            if self.awaiting.get(label) is not call:
+                continue  # failed already, for another of its arguments
             if any(label == a[0] and a[1] == peer for a in (call.arcs or ())):
                 del self.awaiting[label]
                 self._token_arrived(call, label, False, exc)

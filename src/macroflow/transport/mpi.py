@@ -1394,6 +1394,10 @@ class MpiTransport(Transport):
             while (self.sent_msgs[dest] - self.acked_msgs[dest] >= WINDOW_MESSAGES
                    or (self.sent_bytes[dest] - self.acked_bytes[dest] + n > WINDOW_BYTES
                        and self.sent_bytes[dest] > self.acked_bytes[dest])):
+                if self.died:
+                    # its watcher heard of a death (dest's, it may be: a dead
+                    # peer never credits, and this loop went on for ever)
+                    self._on_died()
                 if dest in self.gone:
                     raise ConnectionError(f"context {dest} has left")
                 if not self._progress_aside():
@@ -1568,6 +1572,8 @@ class MpiTransport(Transport):
         self.ring_waits += 1
         try:
             while not r.put(data, load, kind):
+                if self.died:
+                    self._on_died()  # (as _wait_room does)
                 if dest in self.gone or self.closed:
                     raise ConnectionError(f"context {dest} has left")
                 self._wake_ring(dest, r)
