@@ -16,7 +16,8 @@ class Counters:
     __slots__ = ("bytes_sent", "bytes_received", "messages_sent", "messages_received",
                  "calls_executed", "calls_issued", "calls_transferred", "values_sent",
                  "instances_created", "rsr_executed", "contexts_lost", "guards_evaluated", "rsr_dropped",
-                 "calls_examined", "threads_parked", "handler_errors", "results_copied")
+                 "calls_examined", "threads_parked", "handler_errors", "results_copied",
+                 "values_reused")
 
     def __init__(self) -> None:
         for name in self.__slots__:
