@@ -14,6 +14,7 @@ import pytest
 import macroflow as mf
 from common import Gate, our_processes
 from macroflow.core.context import SYSTEM, current_engine
+from macroflow.transport import mpi as _mpi
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -889,6 +890,83 @@ def test_an_interrupted_call_of_context_0_fails_and_its_dependents_fail_without_
     assert got[:3] == ["KeyboardInterrupt", "KeyboardInterrupt", "alive"], got
     if transport == "inproc":
         assert got[3:] == ["KeyboardInterrupt", "unrelated"], got
+
+
+FORKED_CHILD = """
+    import os, sys
+    import macroflow as mf
+
+    @mf.regular
+    class S:
+        def sq(self, x):
+            return x * x
+
+    mf.init(contexts=2, transport=sys.argv[1])
+    assert S.create(on=1).sq(2).result(30) == 4
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a call, then a normal exit (its atexit handlers run)
+        os.close(r)
+        try:
+            S.create(on=1).sq(6).result(5)
+            said = "the call ran"
+        except RuntimeError as e:
+            said = str(e)
+        os.write(w, said.encode())
+        os.close(w)
+        if sys.argv[1] == "mpi":
+            # MPI's own finalization at exit (mpi4py's, in C) would run in
+            # the child and break the parent's MPI (it then crashed at its
+            # exit): see the guide
+            os._exit(0)
+        sys.exit(0)
+    os.close(w)
+    said = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    print("child:", said)
+    print("parent:", [S.create(on=1).sq(x).result(30) for x in (8, 9)],
+          [c.state for c in mf.contexts()])
+    mf.shutdown()
+"""
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp", "mpi"])
+def test_a_forked_child_can_neither_use_nor_end_its_parents_computation(tmp_path, transport):
+    # The child's call ran on the parent's contexts (the parent's next call
+    # then got the child's answer, 36 for 64, and context 1 died of an
+    # internal error), and the child's exit stopped the parent's contexts
+    if transport == "mpi" and _mpi.available() is not None:
+        pytest.skip(str(_mpi.available()))
+    script = tmp_path / "forks.py"
+    script.write_text(textwrap.dedent(FORKED_CHILD))
+    out = subprocess.run([sys.executable, str(script), transport], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "child: macroflow is not running in this process: it was forked" in out.stdout, \
+        out.stdout
+    assert "parent: [64, 81] ['running', 'running']" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_from_another_thread_is_refused():
+    # it ended main's computation (tcp, local: main's futures then stale),
+    # or broke it (mpi: a signal handler only the main thread may set)
+    import threading
+    errors = []
+    with mf.init(contexts=2, transport="local"):
+        t = threading.Thread(target=lambda: errors.append(_raised(mf.shutdown)))
+        t.start()
+        t.join(30)
+        assert Work.create(on=1).echo(5).result(30) == 5
+    assert "mf.shutdown() was called from a thread other than" in errors[0], errors
+
+
+def _raised(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 @mf.persistent

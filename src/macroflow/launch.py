@@ -1359,6 +1359,12 @@ def shutdown() -> None:
         if s.in_run and not _exiting:
             raise RuntimeError("mf.shutdown() was called inside the main function of mf.run(): "
                                "return from main instead; mf.run ends the computation then")
+        eng = s.engine
+        if eng is not None and not _exiting and not s.closed:
+            me = threading.get_ident()
+            if me != eng.thread and me != eng.serving:  # (as current_engine says)
+                raise RuntimeError("mf.shutdown() was called from a thread other than the one "
+                                   "that started the computation; call it from that thread")
         s.close()
 
 
@@ -1375,6 +1381,24 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+def _forked_child() -> None:
+    """In a child made by ``os.fork()`` (multiprocessing's fork too) while a
+    computation runs here: the computation is the parent's (its processes,
+    sockets, rings and MPI), so the child neither uses it (every ``mf``
+    call says why) nor ends it (its exit, or a ``with`` block it leaves,
+    would stop the parent's contexts)."""
+    if not _sessions:
+        return
+    for s in _sessions:
+        s.closed = True
+    _sessions.clear()
+    _ctx._state.default = _ctx._state.current = None
+    _ctx._state.forked_from = os.getppid()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 def _under_mpiexec() -> None:

@@ -4063,6 +4063,7 @@ SYSTEM_CALLS: Dict[str, Callable[..., Any]] = {
 class _State:
     default: Optional[Engine] = None  # context 0's engine in this process
     current: Optional[Engine] = None  # the engine processing messages right now
+    forked_from: Optional[int] = None  # a child forked while that process ran a computation
 
 
 _state = _State()
@@ -4104,6 +4105,13 @@ def current_engine(usage: Optional[str] = None) -> Engine:
     if eng is None:
         eng = _state.current or _state.default
         if eng is None:
+            if _state.forked_from is not None:
+                raise RuntimeError(
+                    f"macroflow is not running in this process: it was forked (os.fork, "
+                    f"multiprocessing's fork) from process {_state.forked_from}, whose "
+                    f"computation it cannot use; return values to the parent, or start a "
+                    f"computation of its own: " + (
+                        usage or "mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
             raise RuntimeError("macroflow is not running: " + (
                 usage or "use mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
         me = threading.get_ident()
