@@ -434,6 +434,29 @@ def test_cancelled_await_leaves_the_future_usable(transport):
         assert asyncio.run(amain()) == "later"
 
 
+def test_asyncio_wait_sees_macroflow_futures_finish(transport):
+    # asyncio.wait adds its own done callbacks, which ran only when the
+    # engine stepped, and nothing stepped it: it waited to its timeout and
+    # then raised AttributeError (no remove_done_callback)
+    async def amain():
+        gate = Gate.create(on=1)
+        quick, slow = RTools().mul(3, 4), gate.wait("later")
+        done, pending = await asyncio.wait([quick, slow], timeout=30,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        first = (done == {quick}, pending == {slow})
+        done, pending = await asyncio.wait([slow], timeout=0.05)  # times out
+        timed_out = (done, pending == {slow})
+        gate.open()
+        done, _ = await asyncio.wait([quick, slow], timeout=30)
+        return first, timed_out, sorted(str(f.result()) for f in done)
+
+    with mf.init(contexts=2, transport=transport):
+        first, timed_out, values = asyncio.run(amain())
+    assert first == (True, True)
+    assert timed_out == (set(), True)
+    assert values == ["12", "later"]
+
+
 @mf.persistent
 class Cleans:
     def __init__(self, log):

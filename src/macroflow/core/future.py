@@ -202,6 +202,43 @@ class Future:
         except BaseException:
             self._callbacks.remove(fn)  # refused (another thread, an ended computation)
             raise
+        if "asyncio" in sys.modules:
+            _drive_from_loop(self)
+
+    def remove_done_callback(self, fn: Callable[["Future"], Any]) -> int:
+        """Forget ``fn`` as a done callback (every time it was added); returns
+        how many times it was, as asyncio's futures do (``asyncio.wait``
+        calls it on the futures still pending at its timeout).
+
+        Example:
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class Math:
+            ...     def square(self, x): return x * x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     f = Math().square(6)
+            ...     f.add_done_callback(print)
+            ...     f.remove_done_callback(print), f.result()
+            (1, 36)
+        """
+        n = len(self._callbacks)
+        self._callbacks[:] = [c for c in self._callbacks if c != fn]
+        return n - len(self._callbacks)
+
+    def cancelled(self) -> bool:
+        """False: a call, once made, is not cancelled (asyncio.wait asks).
+
+        Example:
+            >>> import macroflow as mf
+            >>> @mf.regular
+            ... class Math:
+            ...     def square(self, x): return x * x
+            >>> with mf.init(contexts=2, transport="inproc"):
+            ...     f = Math().square(3)
+            ...     f.cancelled(), f.result()
+            (False, 9)
+        """
+        return False
 
     @property
     def home(self) -> int:
@@ -549,6 +586,27 @@ async def _wait_async(f: Future) -> Any:
 
 
 _drivers: "weakref.WeakKeyDictionary[Any, LoopDriver]" = weakref.WeakKeyDictionary()
+
+
+def _drive_from_loop(f: Future) -> None:
+    """A done callback added from asyncio code (``asyncio.wait`` adds its own
+    to each future) runs when the engine steps, and nothing stepped it
+    there: an asyncio wait never saw the futures finish. While such a
+    future is pending, the loop drives the engine, as for an ``await``."""
+    import asyncio
+    loop = asyncio._get_running_loop()
+    eng = f._engine
+    if loop is None or f._state == FINISHED or getcurrent() is not eng.root:
+        return
+    waiter = loop.create_future()
+    driver = _driver(eng, loop)
+
+    def done(_f: Future) -> None:
+        if waiter in driver.waiters:
+            driver.release(waiter)
+
+    f._callbacks.append(done)
+    driver.acquire(waiter)
 
 
 def _driver(eng: Any, loop: Any) -> "LoopDriver":
