@@ -425,3 +425,20 @@ def test_a_ctrl_c_during_init_on_inproc_interrupts_the_program(capsys):
     with pytest.raises(KeyboardInterrupt):
         mf.run(main, contexts=2, transport="inproc")
     assert "macroflow: interrupted (Ctrl-C)" in capsys.readouterr().err
+
+
+def _adds_more(cid):
+    mf.add_contexts(1, timeout=20)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["inproc", "local"])
+def test_add_contexts_inside_an_added_contexts_init_is_refused(transport):
+    # on inproc, where the init runs in main's own thread, it returned the
+    # id of the context being set up, and added nothing
+    with mf.init(contexts=2, transport=transport):
+        with pytest.raises(mf.MacroflowError) as e:
+            mf.add_contexts(1, init=_adds_more, timeout=30)
+        assert "is for the program that started the computation (context 0); this is " \
+               "context 2" in str(e.value), e.value
+        assert mf.num_contexts() == 3 and [c.state for c in mf.contexts()][2] == "failed"

@@ -630,8 +630,8 @@ def test_wait_names_the_first_item_that_is_not_a_future(run):
     def main():
         m = Math()
         fs = [m.square(1), m.square(2), "two", 3]
-        with pytest.raises(TypeError, match=r"mf\.wait\(\) waits for futures; item 2 is 'two' "
-                                            r"\(str\), not a Future"):
+        with pytest.raises(TypeError, match=r"mf\.wait\(\) waits for macroflow futures; item 2 is 'two' "
+                                            r"\(str\), not a macroflow Future"):
             mf.wait(fs)
         with pytest.raises(TypeError, match=r"item 0 is 1 \(int\)"):
             mf.wait([1, 2])

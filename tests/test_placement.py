@@ -243,3 +243,18 @@ def test_the_location_policy_sees_every_change_of_membership():
     assert sorted({p.choose(eng, exclude=0) for _ in range(10)}) == [1, 3, 4]
     eng.lost.update({1: "x", 3: "x", 4: "x"})
     assert p.choose(eng, exclude=0) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attr, value, error", [
+    ("threshold", -3, ValueError), ("policy", "bogus", ValueError),
+    ("transfer_limit", "x", TypeError)])
+def test_a_placement_changed_after_it_was_made_is_checked_when_the_computation_starts(
+        attr, value, error):
+    # each context's copy of it failed: the contexts died with tracebacks,
+    # and mf.run said a context was lost
+    pl = mf.Placement()
+    setattr(pl, attr, value)
+    with pytest.raises(error) as e:
+        mf.run(lambda: 1, contexts=2, transport="local", placement=pl)
+    assert attr.replace("_", " ") in str(e.value).replace("_", " "), e.value

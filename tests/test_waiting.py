@@ -173,7 +173,7 @@ def test_bad_arguments_are_refused_at_the_call(run):
         f = Quick.create(on=1).echo(1)
         with pytest.raises(ValueError, match="return_when must be mf.FIRST_COMPLETED"):
             mf.wait([f], return_when="FIRST")
-        with pytest.raises(TypeError, match=r"mf.as_completed\(\) waits for futures; item 1 is 2"):
+        with pytest.raises(TypeError, match=r"mf.as_completed\(\) waits for macroflow futures; item 1 is 2"):
             mf.as_completed([f, 2])  # at the call, not at the first next()
         with pytest.raises(TypeError, match="not one Future"):
             mf.as_completed(f)
@@ -409,3 +409,16 @@ def test_a_wait_for_the_first_ends_with_the_first_on_every_transport(run):
         return out
 
     assert run(main, contexts=3) == [([0.1], 1), ([0.3], "1 of 2 futures")]
+
+
+def test_waiting_for_another_librarys_future_names_it(run):
+    # it said "item 0 is <Future at 0x... state=pending> (Future), not a Future"
+    import concurrent.futures
+
+    def main():
+        with pytest.raises(TypeError) as e:
+            mf.wait([concurrent.futures.Future()])
+        return str(e.value)
+
+    said = run(main)
+    assert "(concurrent.futures._base.Future), not a macroflow Future" in said, said

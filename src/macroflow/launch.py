@@ -716,6 +716,12 @@ def _main_session(what: str) -> "Session":
         raise RuntimeError(f"{what} was called inside a method: only the program that started "
                            f"the computation (context 0's main) can do that")
     eng = _ctx._state.default
+    cur = _ctx._state.current
+    if cur is not None and eng is not None and cur is not eng:
+        # (inproc: another context's code, an added context's init, runs in
+        # this very thread; elsewhere it runs in a process of its own)
+        raise RuntimeError(f"{what} is for the program that started the computation "
+                           f"(context 0); this is context {cur.id}")
     for s in _sessions:
         if s.engine is eng and not s.closed:
             me = threading.get_ident()

@@ -19,6 +19,22 @@ from typing import Any, Optional
 POLICIES = ("round-robin", "random", "best-most-recently")
 
 
+def _check(policy: Any, threshold: Any, transfer_limit: Any) -> None:
+    """A placement's settings, or the error that says which one is wrong.
+
+    Example:
+        >>> _check("bogus", 2, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: placement policy must be one of round-robin, random, best-most-recently; got 'bogus'
+    """
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    _check_int("placement threshold", threshold, 0, "")
+    _check_int("transfer_limit", transfer_limit, 1,
+               " (1: a call runs where its caller's manager put it)")
+
+
 def _check_int(name: str, value: Any, least: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= {least}, not {type(value).__name__}; got {value!r}")
@@ -75,11 +91,7 @@ class Placement:
 
     def __init__(self, policy: str = "round-robin", threshold: int = 2,
                  transfer_limit: int = 1, seed: Optional[int] = None):
-        if not isinstance(policy, str) or policy not in POLICIES:
-            raise ValueError(f"placement policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        _check_int("placement threshold", threshold, 0, "")
-        _check_int("transfer_limit", transfer_limit, 1,
-                   " (1: a call runs where its caller's manager put it)")
+        _check(policy, threshold, transfer_limit)
         self.policy = policy
         self.threshold = threshold
         self.transfer_limit = transfer_limit
@@ -113,6 +125,9 @@ class Placement:
         if spec is None:
             return cls()
         if isinstance(spec, Placement):
+            # (its attributes may have been set since it was made: checked
+            # here, not in each context's copy, which said nothing useful)
+            _check(spec.policy, spec.threshold, spec.transfer_limit)
             return spec
         if isinstance(spec, str):
             return cls(spec)

@@ -180,8 +180,10 @@ def _futures(futures: Any, who: str) -> List[Future]:
     fs = _items(futures, who)
     for i, f in enumerate(fs):
         if not isinstance(f, Future):
-            raise TypeError(f"mf.{who}() waits for futures; item {i} is {_show(f)} "
-                            f"({type(f).__name__}), not a Future")
+            t = type(f)  # (whose Future, when it is another library's)
+            kind = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+            raise TypeError(f"mf.{who}() waits for macroflow futures; item {i} is {_show(f)} "
+                            f"({kind}), not a macroflow Future")
     return fs
 
 

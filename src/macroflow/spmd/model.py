@@ -653,7 +653,9 @@ class SpmdModel(Model):
         measured (2 ranks on one host), a barrier in shared memory took 7.5 us
         and MPI's Ibarrier polled by the engine 12 to 19 us; oversubscribed (4
         ranks on 2 cores) the Ibarrier won, 140 against 265 us."""
-        if os.environ.get("MACROFLOW_SHM_BARRIER", "1") == "0":
+        from ..launch import _switch  # (0 or 1; anything else is refused, saying so)
+        if not _switch("MACROFLOW_SHM_BARRIER", True, "MPI's or the messages' barriers",
+                       "barriers in shared memory where they can be"):
             return False
         return size <= CORES or not native or self._natives_for(size) is None
 
@@ -668,7 +670,10 @@ class SpmdModel(Model):
     def _natives_for(self, size: int) -> Any:
         """The transport's own collectives for a run of contexts 0..size-1, or None."""
         fn = getattr(self.eng.transport, "native_collectives", None)
-        if fn is None or os.environ.get("MACROFLOW_NATIVE_COLLECTIVES", "1") == "0":
+        from ..launch import _switch
+        if fn is None or not _switch("MACROFLOW_NATIVE_COLLECTIVES", True,
+                                     "collectives by macroflow's messages",
+                                     "the transport's own collectives, MPI's"):
             return None
         return fn(list(range(size)))
 
