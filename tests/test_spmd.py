@@ -1287,6 +1287,15 @@ def test_the_shared_memory_barrier_can_be_turned_off(monkeypatch):
     assert res == [(0, False)] * 2
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["MACROFLOW_SHM_BARRIER", "MACROFLOW_NATIVE_COLLECTIVES"])
+def test_a_collectives_setting_other_than_0_or_1_is_refused(monkeypatch, name):
+    # (anything but 0 meant on, silently)
+    monkeypatch.setenv(name, "abc")
+    with pytest.raises(ValueError, match=f"the {name} environment variable must be 0 .* or 1 "):
+        mf.spmd(nobody_passes_early, 5, n=2, transport="inproc")
+
+
 def three_barriers():
     for _ in range(3):
         mf.barrier()

@@ -671,9 +671,9 @@ class SpmdModel(Model):
         """The transport's own collectives for a run of contexts 0..size-1, or None."""
         fn = getattr(self.eng.transport, "native_collectives", None)
         from ..launch import _switch
-        if fn is None or not _switch("MACROFLOW_NATIVE_COLLECTIVES", True,
-                                     "collectives by macroflow's messages",
-                                     "the transport's own collectives, MPI's"):
+        if not _switch("MACROFLOW_NATIVE_COLLECTIVES", True,
+                       "collectives by macroflow's messages",
+                       "the transport's own collectives, MPI's") or fn is None:
             return None
         return fn(list(range(size)))
 
