@@ -1310,11 +1310,11 @@ KILLED_WHILE_SENT_TO = """
 """
 
 
-def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once(tmp_path):
-    # (context 0 waited for MPI to take the array for ever, its wait's timeout
-    # never reached: the death its watcher heard was not looked at there)
+def _lost_at_once(tmp_path, body):
+    """Run ``body`` (a program whose main kills its context 1 and prints
+    what its wait said): the wait must say context 1 was lost, soon."""
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(KILLED_WHILE_SENT_TO))
+    script.write_text(textwrap.dedent(body))
     t = time.monotonic()
     # (not a session of its own: a session leader cannot leave its process
     # group, which MPICH's process manager kills when a spawned rank dies)
@@ -1323,6 +1323,12 @@ def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("lost: context 1 was lost"), (out.stdout, out.stderr[-2000:])
     assert time.monotonic() - t < 60
+
+
+def test_a_spawned_rank_killed_while_a_large_argument_goes_to_it_is_lost_at_once(tmp_path):
+    # (context 0 waited for MPI to take the array for ever, its wait's timeout
+    # never reached: the death its watcher heard was not looked at there)
+    _lost_at_once(tmp_path, KILLED_WHILE_SENT_TO)
 
 
 KILLED_WITH_A_FULL_WINDOW = """
@@ -1355,14 +1361,7 @@ def test_a_spawned_rank_killed_while_calls_wait_for_room_in_its_window_is_lost_a
     # (a send waiting for credits that a dead rank never gives waited for
     # ever: in main's calls, then in the shutdown's; SIGTERM and Ctrl-C
     # were taken there and the shutdown went back to the same wait)
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(KILLED_WITH_A_FULL_WINDOW))
-    t = time.monotonic()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=90, env=_env())
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("lost: context 1 was lost"), (out.stdout, out.stderr[-2000:])
-    assert time.monotonic() - t < 60
+    _lost_at_once(tmp_path, KILLED_WITH_A_FULL_WINDOW)
 
 
 def test_a_script_without_main_under_macroflow_run_mpi_is_said_once(tmp_path):
