@@ -710,6 +710,15 @@ def _positive_seconds(value: Any, what: str) -> float:
     return float(value)
 
 
+def _check_thread(eng: Engine, what: str) -> None:
+    # one thread runs context 0's engine (and its service thread, for what it
+    # serves while a method computes), as current_engine says
+    me = threading.get_ident()
+    if me != eng.thread and me != eng.serving:
+        raise RuntimeError(f"{what} was called from a thread other than the one that "
+                           f"started the computation; call it from that thread")
+
+
 def _main_session(what: str) -> "Session":
     from .core.threads import Worker, getcurrent
     if isinstance(getcurrent(), Worker):
@@ -724,10 +733,7 @@ def _main_session(what: str) -> "Session":
                            f"(context 0); this is context {cur.id}")
     for s in _sessions:
         if s.engine is eng and not s.closed:
-            me = threading.get_ident()
-            if me != eng.thread and me != eng.serving:  # (as current_engine says)
-                raise RuntimeError(f"{what} was called from a thread other than the one that "
-                                   f"started the computation; call it from that thread")
+            _check_thread(eng, what)
             return s
     if eng is not None:
         raise RuntimeError(f"{what} is for the program that started the computation "
@@ -1365,12 +1371,8 @@ def shutdown() -> None:
         if s.in_run and not _exiting:
             raise RuntimeError("mf.shutdown() was called inside the main function of mf.run(): "
                                "return from main instead; mf.run ends the computation then")
-        eng = s.engine
-        if eng is not None and not _exiting and not s.closed:
-            me = threading.get_ident()
-            if me != eng.thread and me != eng.serving:  # (as current_engine says)
-                raise RuntimeError("mf.shutdown() was called from a thread other than the one "
-                                   "that started the computation; call it from that thread")
+        if s.engine is not None and not _exiting and not s.closed:
+            _check_thread(s.engine, "mf.shutdown()")
         s.close()
 
 

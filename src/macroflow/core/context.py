@@ -1209,15 +1209,7 @@ class Engine:
         prev, _state.current = _state.current, self
         self.dispatching = True
         try:
-            try:
-                self._process()
-            except INTERRUPTS as e:
-                if self.id == 0 and self.interrupted_call is not None:
-                    # a method of context 0, interrupted: the interrupt goes
-                    # on to main, and the call fails with it (main may catch
-                    # it and go on: nothing must wait for that call for ever)
-                    self.interrupted(e)
-                raise
+            self._process()
             while self.lost_queue:
                 self._on_lost(self.lost_queue.pop(0))
                 if self.inbox or self.ready:
@@ -1225,6 +1217,13 @@ class Engine:
             if self.retire is not None and self.relay_to is None and self.active == 0 \
                     and not self.ready and not self.inbox:
                 self._hand_over()  # retiring, and done with what it had
+        except INTERRUPTS as e:
+            if self.id == 0 and self.interrupted_call is not None:
+                # a method of context 0, interrupted: the interrupt goes on
+                # to main, and the call fails with it (main may catch it and
+                # go on: nothing must wait for that call for ever)
+                self.interrupted(e)
+            raise
         finally:
             self.dispatching = False
             _state.current = prev
@@ -2043,10 +2042,12 @@ class Engine:
         ``keep_max`` bytes are kept (MACROFLOW_KEEP_MB), the least recently
         used dropped first; a value is a future's for good, so what is kept
         is never stale, only perhaps no longer wanted."""
+        if fid in self.kept:
+            return
         n = len(data)
         for b in bufs:
             n += memoryview(b).nbytes
-        if n < KEEP_MIN or n > self.keep_max or fid in self.kept:
+        if n < KEEP_MIN or n > self.keep_max:
             return
         try:
             copy = _copy_value(value)  # (the value itself goes to the calls waiting now)

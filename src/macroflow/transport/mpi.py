@@ -75,7 +75,8 @@ every peer of a rank writes to it by ring, the rank probes MPI only when
 told to: a sender puts a POKE in the ring after each message it sends
 there by MPI (a large frame, a credit, a goodbye), and the reader probes
 until that message is in (and once in :data:`_QUIET_LOOK` passes all the
-same), so a call between two ranks of one host makes no MPI call at all. The rings are in memfds: nothing of them is left in ``/dev/shm``,
+same), so a call between two ranks of one host makes no MPI call at all.
+The rings are in memfds: nothing of them is left in ``/dev/shm``,
 whatever ends a rank (a rank's wake-up page, see :class:`Waker`, is a file
 there: one left by a killed rank is removed by the next job on the host).
 
@@ -1107,7 +1108,7 @@ class MpiTransport(Transport):
         self.held: Dict[int, Deque[_Frame]] = {}  # frames by MPI waiting for their MARK
         self.reading: Set[int] = set()  # peers whose ring _ring_read goes through
         self.pokes: Set[int] = set()  # peers with frames queued in their ring: see flush
-        # MPI probed only when told (see _quiet): per peer that writes to us
+        # MPI probed only when told (see _requiet): per peer that writes to us
         # by ring, the messages its POKEs announced less those taken from
         # MPI; the peers that owe some; whether every peer writes by ring
         self.owed: Dict[int, int] = {}
@@ -1278,15 +1279,7 @@ class MpiTransport(Transport):
                         if not r.put(d, load):
                             self._wait_ring(dest, r, d, load, 0)
                         self.ring_sent += 1
-                        # self._wake_ring(dest, r), inline, as local's send has it
-                        lock = _ring._fence_lock
-                        lock.acquire()
-                        lock.release()
-                        bell = r.bell
-                        if bell[_ring.NAP]:
-                            bell[_ring.NAP] = 0
-                            self.wakeups += 1
-                            self.waker.wake(self.wakes[dest])  # type: ignore[union-attr]
+                        self._wake_ring(dest, r)
                         return 16 + len(d)
                 return self._ring_send(dest, r, parts, load, True)
         self._check(dest)
