@@ -771,3 +771,214 @@ def test_a_timer_fires_when_every_answer_is_caught_by_a_glance():
             assert s.work(0).result() == 0
         took = w.result(30)
     assert took < 0.5, f"a 0.05 s timeout fired after {took:.3f} s"
+
+
+# ---------------------------------------------------------------- the compiled core
+# Ring's common steps (put, send1, drain) run in C where macroflow.transport._cring
+# was built, and in Python (ring._PyCore) where not: both must read and write
+# the same entries, each the other's.
+
+CORES = [pytest.param((ring.Ring, ring.Ring), id="ring-ring"),
+         pytest.param((ring.PyRing, ring.PyRing), id="py-py"),
+         pytest.param((ring.Ring, ring.PyRing), id="ring-reads-py"),
+         pytest.param((ring.PyRing, ring.Ring), id="py-reads-ring")]
+
+
+def _open_pair(classes, cap):
+    reader_class, writer_class = classes
+    host = ring.RingHost(reader_class)
+    r = host.ring(cap)
+    w = writer_class.open(os.getpid(), host.fd, r.offset, cap, ident=1)
+    return host, r, w
+
+
+def test_the_compiled_core_is_built_here_unless_switched_off():
+    # CI installs with a compiler and Cython: the rings run the compiled core
+    # (MACROFLOW_COMPILED=0 runs the pure-Python one, as a machine without them does)
+    if os.environ.get("MACROFLOW_COMPILED") == "0":
+        assert not ring.COMPILED and ring.Ring is ring.PyRing
+    else:
+        assert ring.COMPILED, "macroflow.transport._cring was not built"
+        assert ring.Ring.__bases__[0].__module__ == "macroflow.transport._cring"
+    assert ring.PyRing.__bases__ == (ring._PyCore,)
+
+
+@pytest.mark.parametrize("classes", CORES)
+def test_either_core_reads_what_either_wrote_across_wraps_and_a_full_ring(classes):
+    import random
+    rnd = random.Random(7)
+    host, r, w = _open_pair(classes, 256)
+    sent, got = [], []
+    try:
+        for i in range(2000):
+            n = rnd.choice([0, 1, 7, 8, 9, 40, 100, 120])
+            data = bytes([i % 251]) * n
+            k = w.send1(data, i)
+            assert k in (0, 1)
+            if k == 1:
+                sent.append((data, i))
+            else:  # no room (a WRAP included): nothing written
+                need = 8 + ((n + 7) & -8)
+                end = 256 - (w.pos & 255)
+                assert w.pos + need + (end if need > end else 0) - r.pos > 256
+            if rnd.random() < 0.3 or k == 0:
+                st = r.drain(lambda p, bufs, load: got.append((bytes(bufs[0]), load, p)), 5)
+                assert st & 15 == ring.EMPTY
+                assert r.words[ring.HEAD] == r.pos == w.pos
+        r.drain(lambda p, bufs, load: got.append((bytes(bufs[0]), load, p)), 5)
+        assert [(d, load) for d, load, _ in got] == sent
+        assert {p for _, _, p in got} == {5}
+        assert len(sent) > 1500
+    finally:
+        w.close()
+        host.close()
+
+
+@pytest.mark.parametrize("classes", CORES)
+def test_drain_stops_at_an_entry_of_another_kind_and_leaves_it_there(classes):
+    host, r, w = _open_pair(classes, 4096)
+    try:
+        w.put(b"a", 1)
+        w.put(b"", 0, ring.MARK)
+        w.put(b"b", 2)
+        got = []
+        st = r.drain(lambda p, bufs, load: got.append(bytes(bufs[0])), 0)
+        assert (st >> 4, st & 15) == (1, -ring.MARK) and got == [b"a"]
+        # the MARK is at pos, unread; the room before it is the writer's again
+        assert ring.ENTRY.unpack_from(r.mm, ring.DATA + (r.pos & r.mask))[0] == ring.MARK
+        assert r.words[ring.HEAD] == r.pos == 16
+        r.pos += 8  # the caller steps over it
+        st = r.drain(lambda p, bufs, load: got.append(bytes(bufs[0])), 0)
+        assert (st >> 4, st & 15) == (1, ring.EMPTY) and got == [b"a", b"b"]
+    finally:
+        w.close()
+        host.close()
+
+
+@pytest.mark.parametrize("classes", CORES)
+def test_drain_stops_after_the_frame_that_holds_its_peer(classes):
+    host, r, w = _open_pair(classes, 4096)
+    held = set()
+    got = []
+
+    def deliver(p, bufs, load):
+        got.append(bytes(bufs[0]))
+        if bufs[0] == b"2":
+            held.add(p)  # as a frame whose large buffers are still on their way
+
+    try:
+        for x in (b"1", b"2", b"3"):
+            w.put(x, 0)
+        st = r.drain(deliver, 9, held)
+        assert (st >> 4, st & 15) == (2, ring.HELD) and got == [b"1", b"2"]
+        held.clear()
+        st = r.drain(deliver, 9, held)
+        assert (st >> 4, st & 15) == (1, ring.EMPTY) and got == [b"1", b"2", b"3"]
+    finally:
+        w.close()
+        host.close()
+
+
+@pytest.mark.parametrize("classes", CORES)
+def test_send1_says_when_the_reader_may_be_asleep(classes):
+    host, r, w = _open_pair(classes, 64)
+    try:
+        assert w.send1(b"x" * 8, 0) == 1
+        host.words[ring.NAP] = 1  # the reader's flag: it sleeps
+        assert w.send1(b"y" * 8, 0) == 2
+        assert host.words[ring.NAP] == 1  # (the transport clears it, and wakes the reader)
+        assert w.send1(b"z" * 40, 0) == 0  # full: nothing written
+        got = []
+        r.drain(lambda p, bufs, load: got.append(bytes(bufs[0])), 0)
+        assert got == [b"x" * 8, b"y" * 8]
+    finally:
+        w.close()
+        host.close()
+
+
+@pytest.mark.parametrize("classes", CORES)
+def test_an_error_in_delivery_leaves_the_ring_past_the_frame_delivered(classes):
+    host, r, w = _open_pair(classes, 4096)
+    try:
+        for x in (b"1", b"2"):
+            w.put(x, 0)
+
+        def deliver(p, bufs, load):
+            raise KeyError(bytes(bufs[0]))
+
+        with pytest.raises(KeyError, match="1"):
+            r.drain(deliver, 0)
+        got = []
+        st = r.drain(lambda p, bufs, load: got.append(bytes(bufs[0])), 0)
+        assert st >> 4 == 1 and got == [b"2"]  # "1" is not delivered twice
+    finally:
+        w.close()
+        host.close()
+
+
+@pytest.mark.skipif(not ring.COMPILED, reason="the compiled core was not built")
+def test_the_compiled_core_refuses_a_closed_ring_rather_than_touch_its_memory():
+    host, r, w = _open_pair((ring.Ring, ring.Ring), 4096)
+    w.close()
+    host.close()
+    with pytest.raises(ValueError, match="the ring is closed"):
+        ring._Core.put(w, b"x", 0)
+    with pytest.raises(ValueError, match="the ring is closed"):
+        ring._Core.drain(r, lambda *a: None, 0)
+
+
+@pytest.mark.timeout(120)
+def test_the_pure_python_core_runs_a_computation_and_a_bad_setting_is_named(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "prog.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import macroflow as mf\n"
+        "from macroflow.transport import ring\n"
+        "@mf.persistent\n"
+        "class P:\n"
+        "    def echo(self, x): return x\n"
+        "def main():\n"
+        "    p = P.create()\n"
+        "    assert [p.echo(i).result() for i in range(500)] == list(range(500))\n"
+        "    a = np.arange(100_000.0)\n"
+        "    assert (p.echo(a).result() == a).all()\n"
+        "    print('compiled', ring.COMPILED, sum(mf.gather([p.echo(i) for i in range(2000)])))\n"
+        "mf.run(main, contexts=2, transport='local')\n")
+    env = dict(os.environ, MACROFLOW_COMPILED="0")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=100)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["compiled", "False", str(sum(range(2000)))]
+    env["MACROFLOW_COMPILED"] = "yes"
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=100)
+    assert p.returncode != 0
+    assert "MACROFLOW_COMPILED must be 0 or 1, not 'yes'" in p.stderr
+
+
+@pytest.mark.timeout(180)
+def test_without_a_c_compiler_the_build_warns_and_goes_on(tmp_path, monkeypatch, capfd):
+    # what `pip install` runs (setup.py's build_ext) on a machine without a
+    # compiler: the compiled modules are skipped with a warning, and the
+    # install goes on
+    import runpy
+    pytest.importorskip("Cython")
+    from setuptools import Distribution
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    ns = runpy.run_path(os.path.join(root, "setup.py"), run_name="macroflow_setup")
+    exts = ns["_extensions"]()
+    assert [e.name for e in exts] == ["macroflow.transport._cring"]
+    dist = Distribution({"name": "macroflow", "ext_modules": exts,
+                         "cmdclass": {"build_ext": ns["optional_build_ext"]}})
+    cmd = dist.get_command_obj("build_ext")
+    cmd.build_lib, cmd.build_temp = str(tmp_path / "lib"), str(tmp_path / "tmp")
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("LDSHARED", "/bin/false")
+    dist.run_command("build_ext")  # no error
+    err = capfd.readouterr().err
+    assert "WARNING: macroflow.transport._cring not built" in err
+    assert "macroflow runs its pure-Python code" in err
+    assert not list(tmp_path.rglob("*.so"))

@@ -638,6 +638,12 @@ def _mpi_session(cfg: Config) -> Dict[str, float]:
     return out
 
 
+def _rings_compiled() -> bool:
+    """Whether the rings' common steps run compiled here (see transport.ring.COMPILED)."""
+    from macroflow.transport import ring
+    return ring.COMPILED
+
+
 def mpi_rows(cfg: Config, timeout: float = 600.0) -> Dict[str, Any]:
     """The MPI rows, measured in a job of ``mpiexec -n 2`` (see the module's notes).
 
@@ -1029,6 +1035,7 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
                  "transport": "local",
                  "mpi": mpi_skipped or "mpiexec -n 2, in each round",
                  "spin_us": float(os.environ.get("MACROFLOW_SPIN_US") or 50.0),
+                 "rings_compiled": _rings_compiled(),
                  "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "loadavg_1min_per_round": [rd.get("loadavg_1min") for rd in rounds],
                  "statistic": "median over rounds of per-round medians (round trips) or means "
@@ -1177,6 +1184,7 @@ def report(res: Dict[str, Any], out=None) -> None:
     meta = res["meta"]
     print(f"macroflow bench micro ({'quick' if meta['quick'] else 'full'}): {meta['platform']}, "
           f"{meta['cpus']} cpus, python {meta['python']}, transport local, spin_us {meta['spin_us']:g}, "
+          f"rings {'compiled' if meta.get('rings_compiled') else 'in Python'}, "
           f"{meta['config']['rounds']} rounds, {meta['elapsed_s']:.0f} s", file=out or sys.stdout)
     rows = []
     width = max(len(row[0]) for row in TABLE1_ROWS) + 1

@@ -874,18 +874,11 @@ class LocalTransport(Transport):
                 # the commonest frame, _ring_send's first case inline
                 d = parts[0]
                 if (type(d) is bytes or type(d) is bytearray) and len(d) <= c.rmax:
-                    if not r.put(d, load):
-                        self._wait_room(c, r, d, load, 0)
-                    # self._wake(c, r), inline: the tests hold a call's and a
-                    # remote action's Python calls, and this is one of them
-                    lock = _ring._fence_lock
-                    lock.acquire()
-                    lock.release()
-                    bell = r.bell
-                    if bell[_ring.NAP] and not c.outq:
-                        bell[_ring.NAP] = 0
-                        self.pokes += 1
-                        self._send_whole(c, _WAKE)
+                    k = r.send1(d, load)  # written, and the reader's NAP looked at
+                    if k != 1:
+                        if k == 0:
+                            self._wait_room(c, r, d, load, 0)
+                        self._wake(c, r)
                     return 16 + len(d)
             return self._ring_send(c, r, parts, load, True)
         return self._sock_send(c, dest, parts, load)
@@ -1115,57 +1108,50 @@ class LocalTransport(Transport):
         got = False
         try:
             deliver, peer = self.deliver, c.peer
-            mm, mv, mask, cap, words = r.mm, r.mv, r.mask, r.cap, r.words
-            head = r.pos
             while True:
-                tail = words[_ring.TAIL]
-                if head == tail:
-                    break
-                while head != tail:
-                    off = head & mask
-                    base = _ring.DATA + off
-                    n, load = _ring.ENTRY.unpack_from(mm, base)
-                    if n >= 0:
-                        data = mm[base + 8:base + 8 + n]
-                        head += 8 + ((n + 7) & -8)
-                        r.pos = head
-                        deliver(peer, [data], load)  # type: ignore[misc]
-                    elif n == _ring.WRAP:
-                        head += cap - off
-                        r.pos = head
-                        continue
-                    elif n == _ring.MARK:
-                        if not c.held and not final and not c.closed and not parsing:
-                            self._read(c)  # its bytes were sent before we looked
-                        if not c.held:
-                            words[_ring.HEAD] = head
-                            return got  # still on its way: read again when it comes
-                        bufs, load = c.held.popleft()
-                        head += 8
-                        r.pos = head
-                        deliver(peer, bufs, load)  # type: ignore[misc]
-                    elif n == _ring.BULK:
-                        bufs, fload = r.read_bulk(base, self.landing, peer)
-                        self.bulk_got += 1
-                        head += 8 + ((load + 7) & -8)  # load: the entry's length here
-                        r.pos = head
-                        deliver(peer, bufs, fload)  # type: ignore[misc]
-                    else:  # MANY: a frame of several buffers, framed as on a socket
-                        nb, fload = _HDR.unpack_from(mm, base + 8)
-                        lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
-                        pos = base + 16 + 8 * nb
-                        bufs = []
-                        for i, k in enumerate(lens):
-                            # as _parse gives them: the header bytes, the payloads writable
-                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
-                            pos += k
-                        head += 8 + ((load + 7) & -8)  # load: the frame's length here
-                        r.pos = head
-                        deliver(peer, bufs, fload)  # type: ignore[misc]
+                # the frames of one buffer, the commonest, in the ring's core;
+                # the other entries here
+                st = r.drain(deliver, peer)
+                if st > 15:
                     got = True
-                # free the room only after the batch: one store, and the
-                # writer reads HEAD only when the ring looks full
-                words[_ring.HEAD] = head
+                kind = st & 15
+                if kind == _ring.EMPTY:
+                    break
+                if kind == _ring.HELD:  # (closed by what it delivered)
+                    return got
+                mm, mv = r.mm, r.mv
+                head = r.pos
+                base = _ring.DATA + (head & r.mask)
+                n, load = _ring.ENTRY.unpack_from(mm, base)
+                if n == _ring.MARK:
+                    if not c.held and not final and not c.closed and not parsing:
+                        self._read(c)  # its bytes were sent before we looked
+                    if not c.held:
+                        return got  # still on its way: read again when it comes
+                    bufs, load = c.held.popleft()
+                    r.pos = head + 8
+                    deliver(peer, bufs, load)  # type: ignore[misc]
+                elif n == _ring.BULK:
+                    bufs, fload = r.read_bulk(base, self.landing, peer)
+                    self.bulk_got += 1
+                    r.pos = head + 8 + ((load + 7) & -8)  # load: the entry's length here
+                    deliver(peer, bufs, fload)  # type: ignore[misc]
+                elif n == _ring.MANY:  # a frame of several buffers, framed as on a socket
+                    nb, fload = _HDR.unpack_from(mm, base + 8)
+                    lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
+                    pos = base + 16 + 8 * nb
+                    bufs = []
+                    for i, k in enumerate(lens):
+                        # as _parse gives them: the header bytes, the payloads writable
+                        bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
+                        pos += k
+                    r.pos = head + 8 + ((load + 7) & -8)  # load: the frame's length here
+                    deliver(peer, bufs, fload)  # type: ignore[misc]
+                else:
+                    raise ValueError(f"entry of kind {n} in the ring from context {peer}")
+                got = True
+                if r.words is None:
+                    return got
             if final:
                 while c.held:  # no MARK is left for these: deliver them all the same
                     bufs, load = c.held.popleft()

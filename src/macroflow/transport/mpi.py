@@ -1276,10 +1276,12 @@ class MpiTransport(Transport):
                     # the commonest frame: _ring_send's first case, inline
                     d = parts[0]
                     if (type(d) is bytes or type(d) is bytearray) and len(d) <= self.rmax:
-                        if not r.put(d, load):
-                            self._wait_ring(dest, r, d, load, 0)
+                        k = r.send1(d, load)  # written, and the reader's NAP looked at
                         self.ring_sent += 1
-                        self._wake_ring(dest, r)
+                        if k != 1:
+                            if k == 0:
+                                self._wait_ring(dest, r, d, load, 0)
+                            self._wake_ring(dest, r)
                         return 16 + len(d)
                 return self._ring_send(dest, r, parts, load, True)
         self._check(dest)
@@ -1597,75 +1599,79 @@ class MpiTransport(Transport):
         got = False
         self.reading.add(p)
         try:
-            mm, mv, mask, cap, words = r.mm, r.mv, r.mask, r.cap, r.words
-            head = r.pos
             while True:
-                tail = words[_ring.TAIL]
-                if head == tail:
+                if not self.closing and p not in self.inflight:
+                    # the frames of one buffer, the commonest, in the ring's
+                    # core, up to an entry of another kind (or until p has a
+                    # frame by MPI in flight: what follows queues behind it)
+                    st = r.drain(self.deliver, p, self.inflight)
+                    if st > 15:
+                        self.ring_got += st >> 4
+                        got = True
+                    kind = st & 15
+                    if kind == _ring.EMPTY:
+                        break
+                    if r.words is None:
+                        break  # (closed by what it delivered)
+                    if kind == _ring.HELD:
+                        continue
+                mm, mv, words = r.mm, r.mv, r.words
+                head = r.pos
+                if words[_ring.TAIL] == head:
+                    words[_ring.HEAD] = head
                     break
-                while head != tail:
-                    off = head & mask
-                    base = _ring.DATA + off
-                    n, load = _ring.ENTRY.unpack_from(mm, base)
-                    if n >= 0:
-                        data = mm[base + 8:base + 8 + n]
-                        head += 8 + ((n + 7) & -8)
-                        r.pos = head
-                        self.ring_got += 1
-                        if self.closing or p in self.inflight:
-                            got = self._hand(p, [data], load) or got
-                        else:  # _hand, inline: the commonest frame
-                            self.deliver(p, [data], load)  # type: ignore[misc]
-                            got = True
-                    elif n == _ring.WRAP:
-                        head += cap - off
-                        r.pos = head
-                    elif n == _ring.MARK:
-                        q = self.held.get(p)
-                        if not q:
-                            if not final:
-                                words[_ring.HEAD] = head
-                                # still on its way: read again when it comes
-                                # (its POKE, behind the MARK, is not read yet)
-                                self.marked.add(p)
-                                return got
-                            head += 8
-                            r.pos = head
-                            continue
-                        f = q.popleft()
-                        self.marked.discard(p)
-                        head += 8
-                        r.pos = head
-                        got = self._hand_frame(p, f) or got
-                    elif n == _ring.BULK:
-                        bufs, fload = r.read_bulk(base, self.landing, p)
-                        self.bulk_got += 1
-                        head += 8 + ((load + 7) & -8)  # load: the entry's length here
-                        r.pos = head
-                        self.ring_got += 1
-                        got = self._hand(p, bufs, fload) or got
-                    elif n == _ring.POKE:  # p sent us a message by MPI: see _requiet
-                        head += 8
-                        r.pos = head
-                        o = self.owed[p] = self.owed.get(p, 0) + 1
-                        if o > 0:
-                            self.owing.add(p)
-                    else:  # MANY: a frame of several buffers, as one MPI record
-                        nb, fload = _REC.unpack_from(mm, base + 8)
-                        lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
-                        pos = base + 16 + 8 * nb
-                        bufs: List[Any] = []
-                        for i, k in enumerate(lens):
-                            # the header bytes, the payloads writable (as MPI's are)
-                            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
-                            pos += k
-                        head += 8 + ((load + 7) & -8)  # load: the entry's length here
-                        r.pos = head
-                        self.ring_got += 1
-                        got = self._hand(p, bufs, fload) or got
-                # free the room only after the batch: one store, and the
-                # writer reads HEAD only when the ring looks full
-                words[_ring.HEAD] = head
+                base = _ring.DATA + (head & r.mask)
+                n, load = _ring.ENTRY.unpack_from(mm, base)
+                if n >= 0:
+                    data = mm[base + 8:base + 8 + n]
+                    r.pos = head + 8 + ((n + 7) & -8)
+                    self.ring_got += 1
+                    got = self._hand(p, [data], load) or got
+                elif n == _ring.WRAP:
+                    r.pos = head + r.cap - (head & r.mask)
+                elif n == _ring.MARK:
+                    q = self.held.get(p)
+                    if not q:
+                        words[_ring.HEAD] = head
+                        if not final:
+                            # still on its way: read again when it comes
+                            # (its POKE, behind the MARK, is not read yet)
+                            self.marked.add(p)
+                            return got
+                        r.pos = head + 8
+                        continue
+                    f = q.popleft()
+                    self.marked.discard(p)
+                    r.pos = head + 8
+                    got = self._hand_frame(p, f) or got
+                elif n == _ring.BULK:
+                    bufs, fload = r.read_bulk(base, self.landing, p)
+                    self.bulk_got += 1
+                    r.pos = head + 8 + ((load + 7) & -8)  # load: the entry's length here
+                    self.ring_got += 1
+                    got = self._hand(p, bufs, fload) or got
+                elif n == _ring.POKE:  # p sent us a message by MPI: see _requiet
+                    r.pos = head + 8
+                    o = self.owed[p] = self.owed.get(p, 0) + 1
+                    if o > 0:
+                        self.owing.add(p)
+                elif n == _ring.MANY:  # a frame of several buffers, as one MPI record
+                    nb, fload = _REC.unpack_from(mm, base + 8)
+                    lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
+                    pos = base + 16 + 8 * nb
+                    bufs: List[Any] = []
+                    for i, k in enumerate(lens):
+                        # the header bytes, the payloads writable (as MPI's are)
+                        bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
+                        pos += k
+                    r.pos = head + 8 + ((load + 7) & -8)  # load: the entry's length here
+                    self.ring_got += 1
+                    got = self._hand(p, bufs, fload) or got
+                else:
+                    raise ValueError(f"entry of kind {n} in the ring from rank {p}")
+                if r.words is None:
+                    break
+                # (HEAD is stored when the ring is found empty, or at a MARK)
             if final:
                 q = self.held.pop(p, None)
                 while q:  # no MARK is left for these: deliver them all the same

@@ -196,7 +196,8 @@ class RingHost:
         >>> h.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ring_class: Optional[type] = None) -> None:
+        self.ring_class = Ring if ring_class is None else ring_class  # (tests: PyRing)
         self.fd = os.memfd_create("macroflow-rings", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, PAGE)
@@ -227,7 +228,7 @@ class RingHost:
         region = -(-(DATA + cap) // PAGE) * PAGE
         area = PAGE + bulk if bulk else 0
         os.ftruncate(self.fd, self.size + region + area)
-        r = Ring(_Map(self.fd, DATA + cap, self.size), cap, self, self.size)
+        r = self.ring_class(_Map(self.fd, DATA + cap, self.size), cap, self, self.size)
         if bulk:
             try:
                 r.bulk = BulkIn(_Map(self.fd, area, self.size + region), bulk)
@@ -267,7 +268,168 @@ def _check_cap(cap: int) -> None:
         raise ValueError(f"a ring's capacity must be a power of two >= 64, not {cap}")
 
 
-class Ring:
+#: drain's result: (frames delivered << 4) | what stopped it: the ring is
+#: EMPTY, or the peer is HELD (see drain), or the kind of the entry at pos
+#: (-n: MARK 2, MANY 3, BULK 4, POKE 5), which is not consumed
+EMPTY, HELD = 0, 15
+
+
+class _PyCore:
+    """A ring's positions, and its frames' common steps (the writer's
+    :meth:`put` and :meth:`send1`, the reader's :meth:`drain`): the base
+    class of :class:`Ring` where the compiled ``_cring.Core`` (the same
+    steps in C) was not built, or with ``MACROFLOW_COMPILED=0``. The two are
+    tested against each other (tests/test_transport_rings.py).
+
+    Example:
+        >>> r = Ring.create(4096)
+        >>> w = Ring.open(os.getpid(), r.host.fd, r.offset, 4096, ident=1)
+        >>> w.send1(b"abc", 7)   # written; the reader is not asleep
+        1
+        >>> got = []
+        >>> r.drain(lambda peer, bufs, load: got.append((peer, bytes(bufs[0]), load)), 3) >> 4
+        1
+        >>> got
+        [(3, b'abc', 7)]
+        >>> r.close(); w.close()
+    """
+
+    __slots__ = ("pos", "seen")
+
+    def _attach(self, addr: int, bell_addr: int, cap: int, ident: int) -> None:
+        pass  # (the compiled core keeps the mapping's addresses)
+
+    def _detach(self) -> None:
+        pass
+
+    def put(self, data: Any, load: int, kind: int = 0) -> bool:
+        """Write one entry: a frame of one buffer ``data`` (kind 0), or the
+        body of a MANY frame, or a MARK (``data`` empty); then ring the
+        reader's BELL. False if it does not fit now (nothing is written)."""
+        n = len(data)
+        tail = self.pos
+        off = tail & self.mask
+        if 16 + n <= self.cap - off and tail + 16 + n - self.seen <= self.cap:
+            base = DATA + off  # the common case, inline: room, and not at the end
+        else:
+            base = self._claim(n)
+            if base < 0:
+                return False
+            tail = self.pos  # past a WRAP, if _claim wrote one
+        if n:
+            self.mv[base + 8:base + 8 + n] = data
+        if kind:
+            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY or kind == BULK else load)
+        else:
+            ENTRY.pack_into(self.mm, base, n, load)
+        # _publish, inline (every small frame comes this way)
+        self.pos = tail = tail + 8 + ((n + 7) & -8)
+        self.words[TAIL] = tail
+        self.bell[BELL] = self.ident + tail
+        return True
+
+    def send1(self, data: Any, load: int) -> int:
+        """Write a frame of one buffer, then look at the reader's NAP (after
+        a fence): 0 if it does not fit now (nothing written), 1 written, 2
+        written and the reader may be asleep (NAP is set: wake it)."""
+        if not self.put(data, load):
+            return 0
+        lock = _fence_lock  # fence(), inline
+        lock.acquire()
+        lock.release()
+        return 2 if self.bell[NAP] else 1
+
+    def drain(self, deliver: Callable[[int, List[Any], int], Any], peer: int,
+              held: Any = None) -> int:
+        """Reader: hand every frame of one buffer to ``deliver(peer, [bytes],
+        load)``, from ``pos`` until the ring is empty or an entry of another
+        kind (left at ``pos``) comes; see EMPTY and HELD for the result.
+        With ``held`` (a container), stop after a frame once ``peer`` is in
+        it: what follows must queue behind what it waits for."""
+        mm, mask, cap, words = self.mm, self.mask, self.cap, self.words
+        count = 0
+        head = self.pos
+        while True:
+            tail = words[TAIL]
+            if head == tail:
+                words[HEAD] = head
+                return count << 4
+            while head != tail:
+                off = head & mask
+                base = DATA + off
+                n, load = ENTRY.unpack_from(mm, base)
+                if n >= 0:
+                    data = mm[base + 8:base + 8 + n]
+                    head += 8 + ((n + 7) & -8)
+                    self.pos = head
+                    deliver(peer, [data], load)
+                    count += 1
+                    if self.words is None:
+                        return (count << 4) | HELD  # closed by what it delivered
+                    if held is not None and peer in held:
+                        words[HEAD] = head
+                        return (count << 4) | HELD
+                elif n == WRAP:
+                    head += cap - off
+                    self.pos = head
+                else:
+                    words[HEAD] = head
+                    return (count << 4) | -n
+            # free the room only after the batch (the writer reads HEAD only when full)
+            words[HEAD] = head
+
+    def _claim(self, n: int) -> int:
+        """Where an entry of ``n`` bytes goes (its offset in the mapping),
+        after a WRAP if the ring's end is too near; -1 if it does not fit now."""
+        need = 8 + ((n + 7) & -8)
+        tail = self.pos
+        off = tail & self.mask
+        end = self.cap - off
+        if need > end:
+            if tail + end + need - self.seen > self.cap:
+                self.seen = self.words[HEAD]
+                if tail + end + need - self.seen > self.cap:
+                    return -1
+            ENTRY.pack_into(self.mm, DATA + off, WRAP, 0)
+            self.pos = tail + end
+            return DATA
+        if tail + need - self.seen > self.cap:
+            self.seen = self.words[HEAD]
+            if tail + need - self.seen > self.cap:
+                return -1
+        return DATA + off
+
+    def _publish(self, n: int) -> None:
+        # the entry is written: move TAIL past it, then ring the reader's BELL
+        self.pos = tail = self.pos + 8 + ((n + 7) & -8)
+        self.words[TAIL] = tail
+        self.bell[BELL] = self.ident + tail
+
+
+
+def _core() -> type:
+    """The base class of Ring: the compiled core where it was built and not
+    switched off (``MACROFLOW_COMPILED=0``), else _PyCore."""
+    how = os.environ.get("MACROFLOW_COMPILED", "").strip()
+    if how not in ("", "0", "1"):
+        raise ValueError(f"MACROFLOW_COMPILED must be 0 or 1, not {how!r}")
+    if how == "0":
+        return _PyCore
+    try:
+        from ._cring import Core
+    except ImportError:
+        if how == "1":
+            raise
+        return _PyCore
+    return Core
+
+
+_Core = _core()
+#: Whether rings run the compiled core (macroflow.transport._cring).
+COMPILED = _Core is not _PyCore
+
+
+class Ring(_Core):
     """One direction of frames in shared memory; see the module's notes.
 
     The reader makes it (:meth:`RingHost.ring`), the writer maps the
@@ -288,7 +450,7 @@ class Ring:
         >>> r.close(); w.close()
     """
 
-    __slots__ = ("map", "mm", "mv", "words", "bell", "host", "cap", "mask", "pos", "seen",
+    __slots__ = ("map", "mm", "mv", "words", "bell", "host", "cap", "mask",
                  "offset", "ident", "owns_host", "bulk", "__weakref__")
 
     def __init__(self, mapping: _Map, cap: int, host: Any, offset: int, ident: int = 0):
@@ -305,6 +467,7 @@ class Ring:
         self.seen = 0
         self.offset = offset
         self.ident = ident << IDENT_SHIFT
+        self._attach(mapping.addr, ctypes.addressof(self.bell), cap, self.ident)
         self.owns_host = False
         # the bulk area beside the ring: a BulkIn for its reader, a BulkOut
         # for its writer, None when the ring has none
@@ -362,32 +525,6 @@ class Ring:
         self.seen = self.words[HEAD]
         return tail + need - self.seen <= self.cap
 
-    def put(self, data: Any, load: int, kind: int = 0) -> bool:
-        """Write one entry: a frame of one buffer ``data`` (kind 0), or the
-        body of a MANY frame, or a MARK (``data`` empty); then ring the
-        reader's BELL. False if it does not fit now (nothing is written)."""
-        n = len(data)
-        tail = self.pos
-        off = tail & self.mask
-        if 16 + n <= self.cap - off and tail + 16 + n - self.seen <= self.cap:
-            base = DATA + off  # the common case, inline: room, and not at the end
-        else:
-            base = self._claim(n)
-            if base < 0:
-                return False
-            tail = self.pos  # past a WRAP, if _claim wrote one
-        if n:
-            self.mv[base + 8:base + 8 + n] = data
-        if kind:
-            ENTRY.pack_into(self.mm, base, kind, n if kind == MANY or kind == BULK else load)
-        else:
-            ENTRY.pack_into(self.mm, base, n, load)
-        # _publish, inline (every small frame comes this way)
-        self.pos = tail = tail + 8 + ((n + 7) & -8)
-        self.words[TAIL] = tail
-        self.bell[BELL] = self.ident + tail
-        return True
-
     def put_parts(self, parts: Sequence[Any], n: int) -> bool:
         """Write one MANY entry whose body is ``parts`` (byte buffers of
         ``n`` bytes in all) one after the other, copied straight in: a
@@ -414,33 +551,6 @@ class Ring:
         ENTRY.pack_into(self.mm, base, MANY, n)
         self._publish(n)
         return True
-
-    def _claim(self, n: int) -> int:
-        """Where an entry of ``n`` bytes goes (its offset in the mapping),
-        after a WRAP if the ring's end is too near; -1 if it does not fit now."""
-        need = 8 + ((n + 7) & -8)
-        tail = self.pos
-        off = tail & self.mask
-        end = self.cap - off
-        if need > end:
-            if tail + end + need - self.seen > self.cap:
-                self.seen = self.words[HEAD]
-                if tail + end + need - self.seen > self.cap:
-                    return -1
-            ENTRY.pack_into(self.mm, DATA + off, WRAP, 0)
-            self.pos = tail + end
-            return DATA
-        if tail + need - self.seen > self.cap:
-            self.seen = self.words[HEAD]
-            if tail + need - self.seen > self.cap:
-                return -1
-        return DATA + off
-
-    def _publish(self, n: int) -> None:
-        # the entry is written: move TAIL past it, then ring the reader's BELL
-        self.pos = tail = self.pos + 8 + ((n + 7) & -8)
-        self.words[TAIL] = tail
-        self.bell[BELL] = self.ident + tail
 
     def take(self) -> List[Tuple[bytes, int]]:
         """Every one-buffer frame written so far, as (bytes, load); for tests
@@ -558,6 +668,7 @@ class Ring:
         does for the ring)."""
         if self.words is None:
             return
+        self._detach()
         self.words = self.bell = self.mm = self.mv = None
         self.map.close()
         if self.bulk is not None:
@@ -566,6 +677,21 @@ class Ring:
             self.host.close()
         elif self.owns_host:
             self.host.close()
+
+
+def _pure_twin(cls: type) -> type:
+    """``cls`` (Ring) on _PyCore: what Ring is where the compiled core is not
+    built, to test the two against each other in one process."""
+    if cls.__bases__ == (_PyCore,):
+        return cls
+    skip = set(cls.__slots__) | {"__dict__", "__weakref__"}
+    ns = {k: v for k, v in cls.__dict__.items() if k not in skip}
+    ns["__slots__"] = cls.__slots__
+    return type(cls.__name__, (_PyCore,), ns)
+
+
+#: Ring on the pure-Python core, whichever core Ring has (tests).
+PyRing = _pure_twin(Ring)
 
 
 class _Page:
