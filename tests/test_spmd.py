@@ -252,6 +252,42 @@ def test_under_mpiexec_a_sleeping_owner_keeps_answering_gets_at_once(tmp_path):
     assert median < 0.01, median
 
 
+WINDOW_SLEEPING_OWNER = textwrap.dedent("""
+    import time
+    import numpy as np
+    import macroflow as mf
+
+    def main():
+        ptrs = mf.allgather(mf.register(np.arange(4.0)))
+        done = []
+        if mf.rank() == 0:
+            while len(done) < 8:
+                assert mf.get(ptrs[1]).wait(timeout=30).tolist() == [0.0, 1.0, 2.0, 3.0]
+                done.append(time.time())
+        else:
+            time.sleep(4)  # its method sleeps: MPI must still serve the window
+        woke = time.time()
+        mf.barrier()
+        return done, woke, mf.stats()[0]["spmd_gets_window"] if done else 0
+
+    if __name__ == "__main__":
+        (done, _, n), (_, woke, _) = mf.spmd(main, n=2)
+        print(sum(t < woke for t in done), n)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_under_mpiexec_a_sleeping_owner_serves_reads_of_its_window(tmp_path):
+    # a rank whose peers all write to it by ring called MPI only once in 64
+    # passes of its service (50 ms each while its method sleeps): a read of
+    # its window waited 3.2 s, where the guide says 50 ms
+    p = _under_mpiexec(tmp_path, WINDOW_SLEEPING_OWNER, 2, MACROFLOW_ONESIDED="window")
+    assert p.returncode == 0, p.stderr
+    before_it_woke, through_window = map(int, p.stdout.split()[-2:])
+    assert through_window == 8
+    assert before_it_woke == 8, p.stdout
+
+
 LARGE_ALLREDUCES = """
     import numpy as np
     import macroflow as mf

@@ -1762,7 +1762,9 @@ class MpiTransport(Transport):
         makes no MPI call at all; before, a probe (0.75 us here) every 8th
         look of a spin, every 16th pass and every 3rd send made the null
         call on ``mpi`` 4 to 8% slower than on ``local``. A pass probes
-        unasked every :data:`_QUIET_LOOK` all the same."""
+        unasked every :data:`_QUIET_LOOK` all the same, and every pass while
+        this rank has memory attached to the job's window (MPICH serves
+        another rank's read of it only in this rank's MPI calls)."""
         rin, gone = self.rin, self.gone
         self.quiet = bool(rin) and all(p in rin or p in gone
                                        for p in range(self.size) if p != self.ctx)
@@ -2017,7 +2019,8 @@ class MpiTransport(Transport):
         if self.pushing or len(self.unfinished) > 16:
             self._reap()
         if self.quiet and not self.owing and not self.marked and not self.closing \
-                and self.quiet_passes < _QUIET_LOOK:
+                and self.quiet_passes < _QUIET_LOOK \
+                and (self._window is None or not self._window.attached):
             self.quiet_passes += 1  # nothing was announced: no probe (see _requiet)
         else:
             self.quiet_passes = 0
@@ -3334,6 +3337,10 @@ class MpiWindow:
         self.rank_of = {c: r for r, c in enumerate(members) if c >= 0}
         self.byte = MPI.BYTE
         self.closed = False
+        # buffers attached now: while there are any, the owner's engine
+        # calls MPI at every pass (see _progress), or MPICH would not serve
+        # other ranks' reads of them until it next did
+        self.attached = 0
 
     def reaches(self, ctx: int) -> bool:
         """Whether context ``ctx`` is a rank of this window."""
@@ -3345,13 +3352,15 @@ class MpiWindow:
             self.win.Attach(buf)
         except Exception:
             return False
+        self.attached += 1
         return True
 
     def detach(self, buf: Any) -> None:
         try:
             self.win.Detach(buf)
         except Exception:
-            pass
+            return
+        self.attached -= 1
 
     def get(self, out: Any, ctx: int, address: int, nbytes: int) -> Any:
         """Start reading ``nbytes`` at ``address`` in context ``ctx`` into
