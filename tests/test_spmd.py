@@ -1857,6 +1857,31 @@ def test_a_collective_refuses_a_timeout_that_is_no_number_with_a_type_error_as_r
         mf.spmd(_collective_timeouts, n=1, transport="inproc", timeout="soon")
 
 
+def _refused_then_joined():
+    refused = []
+    if mf.rank() == 0:  # usage errors, caught: none may count as a collective
+        for call in (lambda: mf.barrier(timeout=-1), lambda: mf.allreduce(1, timeout=0),
+                     lambda: mf.broadcast(1, timeout="x"), lambda: mf.reduce(1, timeout=-2),
+                     lambda: mf.allgather(1, timeout=float("nan"))):
+            try:
+                call()
+            except (TypeError, ValueError) as e:
+                refused.append(type(e).__name__)
+    before = mf.stats()[mf.rank()]["spmd_collectives"] if mf.rank() == 0 else None
+    mf.barrier()
+    total = mf.allreduce(mf.rank() + 1)
+    return refused, total, before
+
+
+def test_a_collective_refused_for_its_timeout_is_not_entered(transport):
+    # it was counted as the context's next collective: the others' next one
+    # then failed, blaming a context that had done nothing wrong
+    out = mf.spmd(_refused_then_joined, n=2, transport=transport)
+    assert out[0][0] == ["ValueError", "ValueError", "TypeError", "ValueError", "ValueError"]
+    assert [total for _, total, _ in out] == [3, 3]
+    assert out[0][2] == 0  # (mf.stats: none counted)
+
+
 def _parked_pongs(n, timeout):
     # n remote actions waited for from a thread of context 0; how many of
     # those waits parked the thread

@@ -479,6 +479,8 @@ def on_ended(model: SpmdModel, run: Run, rank: int, entered: int, failure: Optio
 
 def _enter(kind: str, name: str, value: Any, op: Callable[[Any, Any], Any], root: int,
            opname: Optional[str] = None, timeout: Optional[float] = None) -> Collective:
+    if timeout is not None:
+        _check_timeout(timeout, name)  # before it counts as this context's next collective
     eng = current_engine(USAGE)
     model = model_of(eng)
     run = model.current_run(name)
@@ -825,7 +827,7 @@ def broadcast(value: Any = None, root: int = 0, timeout: Optional[float] = None)
         >>> mf.spmd(main, n=2, transport="inproc")
         [{'step': 1}, {'step': 1}]
     """
-    c = _enter("broadcast", "mf.broadcast()", value, _nothing, root)
+    c = _enter("broadcast", "mf.broadcast()", value, _nothing, root, timeout=timeout)
     return _wait(c, timeout)
 
 
@@ -846,7 +848,7 @@ def reduce(value: Any, op: Any = "sum", root: int = 0, timeout: Optional[float] 
         [None, 6, None]
     """
     name = "mf.reduce()"
-    return _wait(_enter("reduce", name, value, _op(op, name), root), timeout)
+    return _wait(_enter("reduce", name, value, _op(op, name), root, timeout=timeout), timeout)
 
 
 def allreduce(value: Any, op: Any = "sum", timeout: Optional[float] = None) -> Any:
@@ -862,7 +864,7 @@ def allreduce(value: Any, op: Any = "sum", timeout: Optional[float] = None) -> A
     """
     name = "mf.allreduce()"
     return _wait(_enter("allreduce", name, value, _op(op, name), 0,
-                        op if isinstance(op, str) else None), timeout)
+                        op if isinstance(op, str) else None, timeout), timeout)
 
 
 def allgather(value: Any, timeout: Optional[float] = None) -> List[Any]:
@@ -873,4 +875,5 @@ def allgather(value: Any, timeout: Optional[float] = None) -> List[Any]:
         >>> mf.spmd(lambda: mf.allgather(mf.rank() * 10), n=3, transport="inproc")
         [[0, 10, 20], [0, 10, 20], [0, 10, 20]]
     """
-    return _wait(_enter("allgather", "mf.allgather()", value, _concat, 0), timeout)
+    return _wait(_enter("allgather", "mf.allgather()", value, _concat, 0, timeout=timeout),
+                 timeout)
