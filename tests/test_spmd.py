@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -848,6 +849,58 @@ def test_put_takes_bytes_like_data_whose_items_are_the_memorys(transport):
                                              "convert it first)")
     assert errs["out of range"] == ("TypeError: mf.put(): data holds an int that uint8 memory "
                                     "cannot hold (0..255)")
+
+
+def puts_beyond_a_dtypes_range_and_of_datetimes():
+    narrow = np.zeros(3, np.float32)
+    half = np.zeros(1, np.float16)
+    days = np.zeros(2, "datetime64[D]")
+    ptrs = mf.allgather((mf.register(narrow), mf.register(half), mf.register(days)))
+    errs = {}
+    if mf.rank() == 0:
+        to_narrow, to_half, to_days = ptrs[1]
+        mf.put(to_narrow, [1.5, float("inf"), 3]).wait()  # rounded where need be; inf is inf
+        mf.put(to_days[0], np.datetime64("2020-01-02")).wait()  # its own dtype: as an array
+        mf.put(to_days[1], np.array("2021-03-04", dtype="datetime64[D]")).wait()
+        for name, gp, data in [("float32", to_narrow[0], 1e300),
+                               ("numpy float", to_narrow[1], np.float64(-1e300)),
+                               ("float16", to_half, 70000.0),
+                               ("int into days", to_days[0], 3),
+                               ("seconds into days", to_days[0], np.datetime64("2020-01-02T00:00:01")),
+                               ("days into float32", to_narrow[2], np.datetime64("2020-01-02"))]:
+            try:
+                mf.put(gp, data).wait()
+                errs[name] = "accepted"
+            except (TypeError, ValueError) as e:
+                errs[name] = f"{type(e).__name__}: {e}"
+    mf.barrier()
+    return narrow.tolist(), [str(d) for d in days], errs
+
+
+def test_put_refuses_what_the_memorys_dtype_cannot_hold_and_takes_datetimes_as_arrays(transport):
+    # 1e300 into float32 memory was stored as inf (with numpy's overflow
+    # warning); a datetime64 scalar was refused as "8 raw bytes", and the int
+    # 3 stored in datetime64[D] memory as 1970-01-04
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (numpy's RuntimeWarning of an overflowing cast)
+        res = mf.spmd(puts_beyond_a_dtypes_range_and_of_datetimes, n=2, transport=transport)
+    narrow, days, _ = res[1]
+    assert narrow == [1.5, float("inf"), 3.0]
+    assert days == ["2020-01-02", "2021-03-04"]
+    errs = res[0][2]
+    assert errs["float32"] == ("TypeError: mf.put(): data holds a number that float32 memory "
+                               "cannot hold (its largest magnitude is 3.40282e+38)")
+    assert errs["numpy float"] == errs["float32"]
+    assert errs["float16"] == ("TypeError: mf.put(): data holds a number that float16 memory "
+                               "cannot hold (its largest magnitude is 65504)")
+    assert errs["int into days"] == ("TypeError: mf.put(): data holds int64 values, not "
+                                     "datetime64[D]; put np.datetime64 values, or an array of "
+                                     "datetime64[D]")
+    assert errs["seconds into days"].startswith(
+        "TypeError: mf.put(): data has dtype datetime64[s], the pointer's memory holds "
+        "datetime64[D]")
+    assert errs["days into float32"].startswith(
+        "TypeError: mf.put(): data has dtype datetime64[D], the pointer's memory holds float32")
 
 
 def puts_of_big_ints():

@@ -381,26 +381,54 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
         raise TypeError(f"mf.put(): data is a str; put bytes (data.encode()) into memory of "
                         f"1-byte items, or {_elements(len(gp))} of {dt}")
     else:
-        if isinstance(data, np.generic) and data.dtype.kind in "biufc":
-            data = data.item()  # a number, as a Python number is (not a buffer of its type)
-        try:
-            view: Optional[memoryview] = memoryview(data)
-        except TypeError:
-            view = None
-        if view is not None:
-            arr = _from_buffer(view, gp)
+        if isinstance(data, np.generic):
+            if data.dtype.kind in "biufc":
+                data = data.item()  # a number, as a Python number is (not a buffer of its type)
+            else:  # a datetime, a string...: an array of its own dtype, not raw bytes
+                data = np.asarray(data)
+        if isinstance(data, np.ndarray):
+            arr = data
         else:
-            _check_lossless(data, dt)
             try:
-                arr = np.asarray(data, dtype=dt)
-            except OverflowError:
-                raise TypeError(_too_big(dt)) from None
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"mf.put(): data cannot be made {_elements(len(gp))} of {dt}: "
-                                f"{e}") from None
+                view: Optional[memoryview] = memoryview(data)
+            except TypeError:
+                view = None
+            if view is not None:
+                arr = _from_buffer(view, gp)
+            else:
+                arr = _convert(data, dt, len(gp))
     _check_array(arr, gp, "put", "data")
     return _transfer(eng, gp, "put", _bytes(arr), None)
 
+
+
+def _convert(data: Any, dt: np.dtype, n: int) -> np.ndarray:
+    """Numbers (or sequences of them) as an array of ``dt``, refused where
+    the memory would cut them short (see :func:`_check_lossless`) or, for
+    floating-point memory, could not hold them (1e300 into float32 memory
+    would be inf).
+
+    Example:
+        >>> _convert([1, 2.5], np.dtype("float32"), 2)
+        array([1. , 2.5], dtype=float32)
+        >>> _convert(1e300, np.dtype("float32"), 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: mf.put(): data holds a number that float32 memory cannot hold (its largest magnitude is 3.40282e+38)
+    """
+    _check_lossless(data, dt)
+    try:
+        with np.errstate(over="raise", invalid="raise"):
+            return np.asarray(data, dtype=dt)
+    except OverflowError:
+        raise TypeError(_too_big(dt)) from None
+    except FloatingPointError:
+        most = np.finfo(dt).max if dt.kind in "fc" else None
+        raise TypeError(f"mf.put(): data holds a number that {dt} memory cannot hold"
+                        + (f" (its largest magnitude is {float(most):g})" if most is not None else "")
+                        ) from None
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"mf.put(): data cannot be made {_elements(n)} of {dt}: {e}") from None
 
 
 def _check_lossless(data: Any, dt: np.dtype) -> None:
@@ -436,6 +464,10 @@ def _check_lossless(data: Any, dt: np.dtype) -> None:
     if (kind in "fc" and to in "iub") or (kind == "c" and to == "f"):
         raise TypeError(f"mf.put(): data holds {given} values, which {dt} "
                         f"memory would cut short; convert them first if that is what you mean")
+    if to in "mM" and not np.can_cast(given, dt):
+        # 3 into datetime64[D] memory was stored as 1970-01-04
+        raise TypeError(f"mf.put(): data holds {given} values, not {dt}; put "
+                        f"np.{np.dtype(dt).name.split('[')[0]} values, or an array of {dt}")
 
 
 def _too_big(dt: Any) -> str:
@@ -488,10 +520,20 @@ def _from_buffer(view: memoryview, gp: MemoryPointer) -> np.ndarray:
         if dt.itemsize != 1:
             raise TypeError(f"mf.put(): data is {view.nbytes} raw bytes, and the pointer's "
                             f"memory holds {dt} ({dt.itemsize} bytes each): put "
-                            f"{_elements(len(gp))} of {dt} (np.frombuffer(data, dtype=np.{dt.name}) reads "
+                            f"{_elements(len(gp))} of {dt} (np.frombuffer(data, dtype={_spelled(dt)}) reads "
                             f"bytes laid out as {dt})")
         arr = np.ascontiguousarray(arr).view(dt)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def _spelled(dt: np.dtype) -> str:
+    """How Python code names ``dt``.
+
+    Example:
+        >>> _spelled(np.dtype("float64")), _spelled(np.dtype("datetime64[D]"))
+        ('np.float64', "np.dtype('datetime64[D]')")
+    """
+    return f"np.{dt.name}" if getattr(np, dt.name, None) is dt.type else f"np.dtype({str(dt)!r})"
 
 
 def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
