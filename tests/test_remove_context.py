@@ -468,3 +468,23 @@ def test_the_ctrl_c_message_counts_the_contexts_it_stopped_not_those_removed(tra
     with pytest.raises(KeyboardInterrupt):
         mf.run(main, contexts=2, transport=transport)
     assert "interrupted (Ctrl-C); all 2 contexts were stopped" in capsys.readouterr().err
+
+
+def _register_rank():
+    return mf.register(np.full(3, float(mf.rank())))
+
+
+def test_memory_of_a_removed_context_is_not_read_after_it_left(run):
+    # on inproc (one process) a get of it still returned its data; on the
+    # other transports it failed with ContextLost, as a call to it does
+    def main():
+        ptrs = mf.spmd(_register_rank)
+        mf.remove_context(1)
+        h = mf.get(ptrs[1])
+        with pytest.raises(mf.ContextLost, match="context 1 was lost: removed"):
+            h.wait(timeout=10)
+        with pytest.raises(mf.ContextLost, match="context 1 was lost: removed"):
+            mf.put(ptrs[1], np.zeros(3)).wait(timeout=10)
+        return mf.get(ptrs[0]).wait(timeout=10).tolist()
+
+    assert run(main, contexts=2) == [0.0, 0.0, 0.0]

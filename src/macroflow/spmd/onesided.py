@@ -560,6 +560,12 @@ def _transfer(eng: Engine, gp: MemoryPointer, who: str, mine: np.ndarray,
         return Handle(eng, Done(value), what)
     if gp.ident in model.revoked:
         raise ValueError(f"mf.{who}(): {gp!r} was unregistered by context {gp.context}")
+    if gp.context in eng.lost:
+        # as a request to it fails: not read from memory that outlived its
+        # context (in one process, or a shared mapping)
+        f = local_future(eng)
+        f._set(False, errors.ContextLost(gp.context, eng.lost[gp.context]))
+        return Handle(eng, f, what)
     if n == 0:
         return Handle(eng, Done(value), what)
     mode = model.onesided
