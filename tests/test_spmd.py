@@ -1910,6 +1910,20 @@ def test_a_collective_refuses_a_timeout_that_is_no_number_with_a_type_error_as_r
         mf.spmd(_collective_timeouts, n=1, transport="inproc", timeout="soon")
 
 
+async def _async_fn(k):
+    await mf.barrier_async()
+    mine = np.full(2, float(mf.rank()))
+    ptrs = mf.allgather(mf.register(mine))
+    other = await mf.get(ptrs[(mf.rank() + 1) % mf.size()])
+    return mf.rank() * k, other.tolist()
+
+
+def test_an_async_def_function_runs_in_every_context(transport):
+    # its coroutine was returned as the result, and failed to pickle
+    assert mf.spmd(_async_fn, 10, n=2, transport=transport) == [(0, [1.0, 1.0]),
+                                                              (10, [0.0, 0.0])]
+
+
 def _refused_then_joined():
     refused = []
     if mf.rank() == 0:  # usage errors, caught: none may count as a collective

@@ -224,6 +224,23 @@ class Handle:
                                       f"(it goes on: wait again for it)") from None
         return f.result()
 
+    def __await__(self) -> Any:
+        """``await handle`` is ``handle.wait()``, for an ``async def`` SPMD
+        function or handler (and asyncio code, whose loop drives the engine
+        meanwhile, as for a future).
+
+        Example:
+            >>> import macroflow as mf, numpy as np
+            >>> async def main():
+            ...     return await mf.get(mf.register(np.arange(3.0)))
+            >>> mf.spmd(main, n=1, transport="inproc")
+            [array([0., 1., 2.])]
+        """
+        f = self._f
+        if f._state != FINISHED:
+            yield from f.__await__()
+        return self.wait()
+
     def _check_run(self) -> None:
         # what mf.poll() checks: a run that cannot complete (another
         # context's function failed) ends a function that loops on handles
@@ -592,6 +609,8 @@ class SpmdModel(Model):
         failure = None
         try:
             value = fn(*args)
+            if type(value) is CoroutineType:  # an async def function: run here, as a method is
+                value = run_coroutine(value)
             # with what it called, for mf.spmd to check that every context agreed
             return value, run.entered, run.signature, run.failed is not None, run.last
         except BaseException as e:

@@ -28,7 +28,9 @@ def spmd(fn: Callable[..., Any], *args: Any, n: Optional[int] = None,
     rank (``macroflow run -n N --spmd script.py`` runs a script's ``main``).
 
     Args:
-        fn: a picklable function; every context gets ``args``.
+        fn: a picklable function; every context gets ``args``. An ``async
+            def`` function runs to its end in each context, awaiting
+            macroflow's futures and handles as a coroutine method does.
         n: number of contexts (default: the computation's, or the CPU count).
         transport: for a new computation (see :func:`macroflow.init`).
         timeout: default timeout in seconds of the run's collectives (default
