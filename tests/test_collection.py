@@ -415,3 +415,25 @@ def test_a_destroyed_collection_is_named_as_such(run):
         whats.append(m.group(1))
     # the call named as the element class's (was "apply()" and "call()", the host's methods)
     assert whats == ["_Meter.rss", "_Meter.rss of element 3"], whats
+
+
+def _scaled(el, k):
+    return el.index * k
+
+
+def test_a_collection_on_a_removed_context_names_its_element_class(run, transport):
+    # (apply and map_blocks named the hosts' method: "_Host.apply: its object
+    # was on context 1, which was removed")
+    if transport == "mpi":
+        pytest.skip("an MPI rank cannot leave a running job")
+
+    def main():
+        c = mf.Collection(Cell, 3, contexts=3)
+        mf.remove_context(1)
+        return [str(f.exception(30)) for f in (c.apply("where"), c.apply(_scaled, 2),
+                                               c.map_blocks(np.sum), c[1].where())]
+
+    said = run(main, contexts=3)
+    tail = ": its object was on context 1, which was removed"
+    assert said == ["Cell.where" + tail, "_scaled on Cell elements" + tail,
+                    "map_blocks(sum) on Cell elements" + tail, "Cell.where" + tail], said

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..core.context import MISSING, current_engine
 from ..core.errors import CallError
-from ..core.future import Future, current_engine_of
+from ..core.future import CallSite, Future, current_engine_of
 from ..objects.methods import constructor_info, method_info
 from ..objects.hosting import PERSISTENT
 from ..objects.persistent import PersistentHandle, _engine_of, destroy, persistent, regular
@@ -140,6 +140,17 @@ def _call_label(cls: str, shape: Tuple[int, ...], method: str, args: tuple) -> s
     if method == "pointer":
         return f"{cls} element {_unflatten(args[0], shape)}'s pointer to .{args[1]}"
     return f"{cls} elements' {method}"
+
+
+_OP_SITES: dict = {}  # a collection's apply and map_blocks of a function: their call sites
+
+
+def _host_call(host: Any, method: str, args: tuple, site: Any) -> Future:
+    """Call ``method`` of a collection's host with ``site`` as its call site
+    (the element's method, or the collection's operation), as an element's
+    handle does: its future and errors name that, not _Host."""
+    return _engine_of(host).issue(PERSISTENT, (host._oid,), method, args, {}, host._ctx,
+                                  site=site, oid=host._oid)
 
 
 @persistent
@@ -582,11 +593,27 @@ class Collection:
             ([(0, 0), (1, 1), (2, 0), (3, 1)], [0, 3, 6, 9])
         """
         if isinstance(method, str):
-            method_info(self._cls, method).check(args, kwargs)
+            site: Any = method_info(self._cls, method)
+            site.check(args, kwargs)
         elif not callable(method):
             raise TypeError(f"Collection.apply(): method must be a method name (str) or a "
                             f"function of the element; got {type(method).__name__}")
-        return self._combine([h.apply(method, args, kwargs) for h in self._hosts])
+        else:
+            site = self._site("apply", method)
+        return self._combine([_host_call(h, "apply", (method, args, kwargs), site)
+                              for h in self._hosts])
+
+    def _site(self, op: str, fn: Any) -> CallSite:
+        """The call site of ``op(fn)`` on every host: futures and errors
+        name it in the element class's terms, not the hosts'."""
+        # (as _call_label names the same calls where they run)
+        label = _call_label(self._cls.__qualname__, self._shape, op, (fn,))
+        site = _OP_SITES.get(label)
+        if site is None:
+            if len(_OP_SITES) >= 256:
+                _OP_SITES.clear()  # (functions made afresh, each with a name of its own)
+            site = _OP_SITES[label] = CallSite(label)
+        return site
 
     def map_blocks(self, fn: Callable[..., Any], *args: Any, attr: str = "data",
                    **kwargs: Any) -> Future:
@@ -617,7 +644,9 @@ class Collection:
         if not isinstance(attr, str):
             raise TypeError(f"Collection.map_blocks(): attr must be an attribute name (str); "
                             f"got {type(attr).__name__}")
-        return self._combine([h.map_blocks(fn, args, kwargs, attr) for h in self._hosts])
+        site = self._site("map_blocks", fn)
+        return self._combine([_host_call(h, "map_blocks", (fn, args, kwargs, attr), site)
+                              for h in self._hosts])
 
     def _combine(self, parts: List[Future]) -> Future:
         if len(parts) == 1:
