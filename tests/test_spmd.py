@@ -1924,6 +1924,27 @@ def test_an_async_def_function_runs_in_every_context(transport):
                                                               (10, [0.0, 0.0])]
 
 
+def _unregister_a_slice():
+    gp = mf.register(np.zeros(4))
+    try:
+        mf.unregister(gp[1:2])
+        said = "accepted"
+    except ValueError as e:
+        said = str(e)
+    still = mf.get(gp[1:2]).wait().tolist()  # still registered
+    mf.unregister(gp)
+    return said, still
+
+
+def test_unregister_refuses_a_part_of_a_buffer():
+    # it unregistered the whole buffer, as if the slice were all there was
+    said, still = mf.spmd(_unregister_a_slice, n=1, transport="inproc")[0]
+    assert said.startswith("mf.unregister(): ") and said.endswith(
+        "is part [1:2] of a buffer of 4 elements; unregister the pointer mf.register() "
+        "returned (the whole buffer is forgotten)"), said
+    assert still == [0.0]
+
+
 def _refused_then_joined():
     refused = []
     if mf.rank() == 0:  # usage errors, caught: none may count as a collective

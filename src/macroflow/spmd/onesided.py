@@ -226,7 +226,8 @@ def unregister(gp: MemoryPointer) -> None:
 
     Raises:
         TypeError: not a MemoryPointer.
-        ValueError: it names memory of another context, or is not registered.
+        ValueError: it names memory of another context, is not registered,
+            or is a part of a registered buffer (a slice of its pointer).
 
     Example:
         >>> import macroflow as mf, numpy as np
@@ -247,6 +248,12 @@ def unregister(gp: MemoryPointer) -> None:
     model = model_of(eng)
     if gp.ident not in model.regions:
         raise ValueError(f"mf.unregister(): {gp!r} is not registered (unregistered already?)")
+    whole = model.regions[gp.ident][0].size
+    if gp.offset != 0 or gp.length != whole:
+        # it forgets the whole buffer: a part of it named would say otherwise
+        raise ValueError(f"mf.unregister(): {gp!r} is part [{gp.offset}:{gp.offset + gp.length}] "
+                         f"of a buffer of {_elements(whole)}; unregister the pointer "
+                         f"mf.register() returned (the whole buffer is forgotten)")
     acks, entry = engine_side(eng, _forget, eng, model, gp.ident)
     for f in acks:  # every context has heard when this returns
         try:
