@@ -397,8 +397,9 @@ class Collection:
         ctor_args: passed to every element's constructor (copied to each
             context that holds elements).
         distribution: "block" (default) or "cyclic".
-        contexts: the contexts to spread over: an int n (contexts
-            0..n-1) or a sequence of context ids; default every context.
+        contexts: the contexts to spread over: an int n (the first n
+            running contexts: 0..n-1 unless some were removed) or a
+            sequence of context ids; default every context.
 
     Raises:
         ValueError: a bad shape, distribution or contexts.
@@ -802,8 +803,8 @@ def _check_contexts(contexts: Any, ids: List[int]) -> Tuple[int, ...]:
     try:
         where = tuple(contexts)
     except TypeError:
-        raise ValueError(f"mf.Collection(): contexts must be None (all), an int n (contexts "
-                         f"0..n-1) or a list of context ids; got {contexts!r}") from None
+        raise ValueError(f"mf.Collection(): contexts must be None (all), an int n (the first "
+                         f"n running contexts) or a list of context ids; got {contexts!r}") from None
     bad = [c for c in where if isinstance(c, bool) or not _is_int(c) or c not in ids]
     if not where or bad or len(set(where)) != len(where):
         raise ValueError(f"mf.Collection(): contexts must be distinct ids of this "
