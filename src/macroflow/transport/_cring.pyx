@@ -28,15 +28,16 @@ cdef extern from *:
     void mf_store(int64_t *p, int64_t v) nogil
     void mf_fence() nogil
 
-# the layout of ring.py: word indexes and offsets
-DEF HEAD = 0
-DEF TAIL = 16
-DEF BELL = 0
-DEF NAP = 16
-DEF DATA = 256
-DEF WRAP = -1
-DEF MANY = -3
-DEF BULK = -4
+# the layout of ring.py: word indexes, offsets, entry kinds
+cdef enum:
+    HEAD = 0
+    TAIL = 16
+    BELL = 0
+    NAP = 16
+    DATA = 256
+    WRAP = -1
+    MANY = -3
+    BULK = -4
 
 #: drain's result: (frames delivered << 4) | what stopped it
 EMPTY = 0  # the ring is empty (HEAD stored)
