@@ -706,7 +706,10 @@ class Engine:
                 data = bufs = None
             # arguments of plain values only: the C pickler, as for a plain result
             # (the target is a model's tuple of ids, or a class the encoder must see)
-            elif plain and _plain_target(sent):
+            elif plain and (type(sent) is tuple and len(sent) == 1 and type(sent[0]) is tuple
+                            and len(sent[0]) == 2 and type(sent[0][0]) is int
+                            and type(sent[0][1]) is int or _plain_target(sent)):
+                # (an object's id, the commonest target, without the call)
                 data, bufs = _pdumps(msg, 5), None
             else:
                 data, bufs = _encode(msg)
