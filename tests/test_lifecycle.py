@@ -194,6 +194,12 @@ def test_cli_info():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert "transports" in out.stdout and "local" in out.stdout and "inproc" in out.stdout
+    # whether the rings' steps run compiled: pip hides the build's warning when it could not
+    assert "rings        compiled (macroflow.transport._cring)" in out.stdout
+    env = dict(os.environ, MACROFLOW_COMPILED="0")
+    out = subprocess.run([sys.executable, "-m", "macroflow", "info"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert "rings        in Python (MACROFLOW_COMPILED=0)" in out.stdout
 
 
 def test_cli_run_missing_script():

@@ -590,10 +590,30 @@ def cmd_info(args: argparse.Namespace) -> int:
         except ImportError:
             rows.append((mod, "not installed"))
     rows.append(("transports", ", ".join(sorted(REGISTRY)) + " (default: local)"))
+    rows.append(("rings", _rings_row()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _rings_row() -> str:
+    """What ``macroflow info`` says of the rings' common steps: compiled or not, and why.
+
+    Example:
+        >>> _rings_row().split(" ")[0] in ("compiled", "in", "off:")
+        True
+    """
+    from macroflow.transport import ring
+    why = ring.problem()
+    if why is not None:
+        return f"off: {why}"
+    if ring.COMPILED:
+        return "compiled (macroflow.transport._cring)"
+    if os.environ.get("MACROFLOW_COMPILED", "").strip() == "0":
+        return "in Python (MACROFLOW_COMPILED=0)"
+    return ("in Python: macroflow.transport._cring was not built (no C compiler or Cython at "
+            "install; `pip install -v` shows why)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
