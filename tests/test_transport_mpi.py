@@ -858,6 +858,65 @@ def test_ctrl_c_to_a_program_that_spawned_ranks_ends_it_in_order_and_spares_its_
     assert "KeyboardInterrupt" in err
 
 
+FLOODS_LARGE_VALUES = """
+    import sys
+    import numpy as np
+    import macroflow as mf
+
+    @mf.persistent
+    class W:
+        def echo(self, x):
+            return x
+
+    def main():
+        ws = [W.create(on=1), W.create(on=2)]
+        x = np.ones(200_000, np.uint8)
+        mf.gather([w.echo(x) for w in ws])
+        open(sys.argv[1], "w").write("flooding")
+        while True:
+            mf.gather([ws[i % 2].echo(x) for i in range(2000)])
+
+    try:
+        mf.run(main, transport="mpi")
+    except KeyboardInterrupt:
+        print("interrupted")
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_during_a_flood_of_large_values_ends_every_rank_in_order(tmp_path):
+    # Ctrl-C at the terminal (the job's whole group) while ranks wait for
+    # room to send large values: they crashed in MPI_Cancel of those sends
+    # (a segmentation fault, 3 jobs of 4); without the cancel, context 0 took
+    # their frames one per 5 ms until it gave up and aborted the job
+    script, flag = tmp_path / "job.py", tmp_path / "flag"
+    script.write_text(textwrap.dedent(FLOODS_LARGE_VALUES))
+    before = M.mpich_shm_files()
+    for _ in range(2):
+        flag.unlink(missing_ok=True)
+        p = subprocess.Popen([M._find_mpiexec(), "-n", "3", sys.executable, str(script), str(flag)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_env(), start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not (flag.exists() and flag.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # well into the flood
+            os.killpg(p.pid, signal.SIGINT)
+            out, err = p.communicate(timeout=60)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        assert p.returncode == 0, (p.returncode, out, err)
+        assert out.split()[-1:] == ["interrupted"], (out, err)
+        assert "macroflow: interrupted (Ctrl-C); all 3 contexts were stopped" in err, err
+        assert "Segmentation" not in out + err and "MPI_Abort" not in err, err
+    assert not [f for f in M.mpich_shm_files() - before if not M.in_use(f)]
+
+
 def _interrupt_macroflow_run(tmp_path, body, options, whom, sig=signal.SIGINT):
     """Run ``body`` under `macroflow run -n 2 --transport mpi` (it writes the
     file named by its first argument when it is ready), Ctrl-C it (``whom``:
