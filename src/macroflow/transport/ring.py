@@ -406,7 +406,6 @@ class _PyCore:
         self.bell[BELL] = self.ident + tail
 
 
-
 def _core() -> type:
     """The base class of Ring: the compiled core where it was built and not
     switched off (``MACROFLOW_COMPILED=0``), else _PyCore."""
@@ -417,9 +416,11 @@ def _core() -> type:
         return _PyCore
     try:
         from ._cring import Core
-    except ImportError:
+    except ImportError as e:
         if how == "1":
-            raise
+            raise ImportError(f"MACROFLOW_COMPILED=1, but the rings' compiled core "
+                              f"(macroflow.transport._cring) was not built here ({e}); "
+                              f"`macroflow info` says why, or unset it") from e
         return _PyCore
     return Core
 
