@@ -1005,3 +1005,23 @@ def test_a_wheel_built_from_the_sdist_has_the_compiled_core(tmp_path):
     inside = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("macroflow/transport/_cring.") and n.endswith(".so") for n in inside)
     assert not any(n.endswith((".pyx", ".c")) for n in inside)
+
+
+@pytest.mark.timeout(120)
+def test_requiring_the_compiled_core_where_it_was_not_built_says_so(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    src = os.path.join(os.path.dirname(os.path.abspath(ring.__file__)), "..", "..")
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(copy), MACROFLOW_COMPILED="1")
+    p = subprocess.run([sys.executable, "-c", "import macroflow.transport.ring"],
+                       capture_output=True, text=True, env=env, timeout=100)
+    assert p.returncode != 0
+    assert ("ImportError: MACROFLOW_COMPILED=1, but the rings' compiled core "
+            "(macroflow.transport._cring) was not built here") in p.stderr, p.stderr
+    env.pop("MACROFLOW_COMPILED")
+    p = subprocess.run([sys.executable, "-c", "import macroflow.transport.ring as r; "
+                        "print(r.COMPILED)"], capture_output=True, text=True, env=env, timeout=100)
+    assert p.stdout.split() == ["False"], p.stderr  # (the Python steps, unasked)
