@@ -422,3 +422,30 @@ def test_waiting_for_another_librarys_future_names_it(run):
 
     said = run(main)
     assert "(concurrent.futures._base.Future), not a macroflow Future" in said, said
+
+
+def test_gather_and_wait_of_done_futures_only_read_from_another_thread(run):
+    # (the guide: what only reads may be used from any thread; a wait that
+    # would have to serve may not)
+    import threading
+
+    def main():
+        q = Quick.create()
+        fs = [q.echo(i) for i in range(3)]
+        mf.wait(fs)
+        out = {}
+
+        def other():
+            out["gather"] = mf.gather(fs)
+            out["wait"] = len(mf.wait(fs)[0])
+            try:
+                mf.gather([q.echo(9)])
+            except RuntimeError as e:
+                out["pending"] = "a thread other than the one that started" in str(e)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        return out
+
+    assert run(main, contexts=2) == {"gather": [0, 1, 2], "wait": 3, "pending": True}
