@@ -1119,10 +1119,9 @@ class LocalTransport(Transport):
                     break
                 if kind == _ring.HELD:  # (closed by what it delivered)
                     return got
-                mm, mv = r.mm, r.mv
                 head = r.pos
                 base = _ring.DATA + (head & r.mask)
-                n, load = _ring.ENTRY.unpack_from(mm, base)
+                n, load = _ring.ENTRY.unpack_from(r.mm, base)
                 if n == _ring.MARK:
                     if not c.held and not final and not c.closed and not parsing:
                         self._read(c)  # its bytes were sent before we looked
@@ -1137,14 +1136,7 @@ class LocalTransport(Transport):
                     r.pos = head + 8 + ((load + 7) & -8)  # load: the entry's length here
                     deliver(peer, bufs, fload)  # type: ignore[misc]
                 elif n == _ring.MANY:  # a frame of several buffers, framed as on a socket
-                    nb, fload = _HDR.unpack_from(mm, base + 8)
-                    lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
-                    pos = base + 16 + 8 * nb
-                    bufs = []
-                    for i, k in enumerate(lens):
-                        # as _parse gives them: the header bytes, the payloads writable
-                        bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
-                        pos += k
+                    bufs, fload = r.read_many(base)
                     r.pos = head + 8 + ((load + 7) & -8)  # load: the frame's length here
                     deliver(peer, bufs, fload)  # type: ignore[misc]
                 else:

@@ -1615,7 +1615,7 @@ class MpiTransport(Transport):
                         break  # (closed by what it delivered)
                     if kind == _ring.HELD:
                         continue
-                mm, mv, words = r.mm, r.mv, r.words
+                mm, words = r.mm, r.words
                 head = r.pos
                 if words[_ring.TAIL] == head:
                     words[_ring.HEAD] = head
@@ -1656,14 +1656,7 @@ class MpiTransport(Transport):
                     if o > 0:
                         self.owing.add(p)
                 elif n == _ring.MANY:  # a frame of several buffers, as one MPI record
-                    nb, fload = _REC.unpack_from(mm, base + 8)
-                    lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
-                    pos = base + 16 + 8 * nb
-                    bufs: List[Any] = []
-                    for i, k in enumerate(lens):
-                        # the header bytes, the payloads writable (as MPI's are)
-                        bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
-                        pos += k
+                    bufs, fload = r.read_many(base)  # (the payloads writable, as MPI's are)
                     r.pos = head + 8 + ((load + 7) & -8)  # load: the entry's length here
                     self.ring_got += 1
                     got = self._hand(p, bufs, fload) or got

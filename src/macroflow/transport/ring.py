@@ -631,6 +631,31 @@ class Ring(_Core):
         b.sent += 1
         return b"".join(parts + rest)
 
+    def read_many(self, base: int) -> Tuple[List[Any], int]:
+        """Reader: the buffers and load of the MANY entry at ``base`` (framed
+        as LocalTransport frames them on a socket): the first as bytes, the
+        others writable, as a socket's frame gives them.
+
+        Example:
+            >>> r = Ring.create(256)
+            >>> w = Ring.open(os.getpid(), r.host.fd, r.offset, 256, ident=1)
+            >>> body = _FRAME.pack(2, 9) + struct.pack("<2Q", 2, 3) + b"hi" + b"you"
+            >>> w.put(body, 0, MANY)
+            True
+            >>> r.read_many(DATA)
+            ([b'hi', bytearray(b'you')], 9)
+            >>> r.close(); w.close()
+        """
+        mm, mv = self.mm, self.mv
+        nb, load = _FRAME.unpack_from(mm, base + 8)
+        lens = struct.unpack_from(f"<{nb}Q", mm, base + 16)
+        pos = base + 16 + 8 * nb
+        bufs: List[Any] = []
+        for i, k in enumerate(lens):
+            bufs.append(mm[pos:pos + k] if i == 0 else bytearray(mv[pos:pos + k]))
+            pos += k
+        return bufs, load
+
     def read_bulk(self, base: int, landing: Optional[Callable[[int, Any, int], Any]] = None,
                   peer: int = -1) -> Tuple[List[Any], int]:
         """Reader: the buffers and load of the BULK entry at ``base``, written
