@@ -855,13 +855,16 @@ def puts_beyond_a_dtypes_range_and_of_datetimes():
     narrow = np.zeros(3, np.float32)
     half = np.zeros(1, np.float16)
     days = np.zeros(2, "datetime64[D]")
-    ptrs = mf.allgather((mf.register(narrow), mf.register(half), mf.register(days)))
+    raw = np.zeros(2, np.uint8)
+    ptrs = mf.allgather((mf.register(narrow), mf.register(half), mf.register(days),
+                         mf.register(raw)))
     errs = {}
     if mf.rank() == 0:
-        to_narrow, to_half, to_days = ptrs[1]
+        to_narrow, to_half, to_days, to_bytes = ptrs[1]
         mf.put(to_narrow, [1.5, float("inf"), 3]).wait()  # rounded where need be; inf is inf
         mf.put(to_days[0], np.datetime64("2020-01-02")).wait()  # its own dtype: as an array
         mf.put(to_days[1], np.array("2021-03-04", dtype="datetime64[D]")).wait()
+        mf.put(to_bytes, np.bytes_(b"ab")).wait()  # numpy's bytes are bytes: raw, as before
         for name, gp, data in [("float32", to_narrow[0], 1e300),
                                ("numpy float", to_narrow[1], np.float64(-1e300)),
                                ("float16", to_half, 70000.0),
@@ -874,7 +877,7 @@ def puts_beyond_a_dtypes_range_and_of_datetimes():
             except (TypeError, ValueError) as e:
                 errs[name] = f"{type(e).__name__}: {e}"
     mf.barrier()
-    return narrow.tolist(), [str(d) for d in days], errs
+    return narrow.tolist(), [str(d) for d in days], errs, bytes(raw)
 
 
 def test_put_refuses_what_the_memorys_dtype_cannot_hold_and_takes_datetimes_as_arrays(transport):
@@ -884,7 +887,8 @@ def test_put_refuses_what_the_memorys_dtype_cannot_hold_and_takes_datetimes_as_a
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (numpy's RuntimeWarning of an overflowing cast)
         res = mf.spmd(puts_beyond_a_dtypes_range_and_of_datetimes, n=2, transport=transport)
-    narrow, days, _ = res[1]
+    narrow, days, _, raw = res[1]
+    assert raw == b"ab"
     assert narrow == [1.5, float("inf"), 3.0]
     assert days == ["2020-01-02", "2021-03-04"]
     errs = res[0][2]

@@ -382,31 +382,28 @@ def put(gp: MemoryPointer, data: Any) -> Handle:
     """
     eng = _engine(gp, "put")
     dt = gp.dtype
+    if isinstance(data, np.generic):
+        kind = data.dtype.kind
+        if kind in "biufc":
+            data = data.item()  # a number, as a Python number is (not a buffer of its type)
+        elif kind in "mM":  # a date or a time span: an array of its own dtype, not 8 raw bytes
+            data = np.asarray(data)
     if isinstance(data, np.ndarray):
         arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)
     elif isinstance(data, str):
         raise TypeError(f"mf.put(): data is a str; put bytes (data.encode()) into memory of "
                         f"1-byte items, or {_elements(len(gp))} of {dt}")
     else:
-        if isinstance(data, np.generic):
-            if data.dtype.kind in "biufc":
-                data = data.item()  # a number, as a Python number is (not a buffer of its type)
-            else:  # a datetime, a string...: an array of its own dtype, not raw bytes
-                data = np.asarray(data)
-        if isinstance(data, np.ndarray):
-            arr = data
+        try:
+            view: Optional[memoryview] = memoryview(data)
+        except TypeError:
+            view = None
+        if view is not None:
+            arr = _from_buffer(view, gp)
         else:
-            try:
-                view: Optional[memoryview] = memoryview(data)
-            except TypeError:
-                view = None
-            if view is not None:
-                arr = _from_buffer(view, gp)
-            else:
-                arr = _convert(data, dt, len(gp))
+            arr = _convert(data, dt, len(gp))
     _check_array(arr, gp, "put", "data")
     return _transfer(eng, gp, "put", _bytes(arr), None)
-
 
 
 def _convert(data: Any, dt: np.dtype, n: int) -> np.ndarray:
