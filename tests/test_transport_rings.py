@@ -4,11 +4,17 @@ them off."""
 
 import contextlib
 import os
+import runpy
+import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import tarfile
 import threading
 import time
+import zipfile
 
 import greenlet
 import hypothesis
@@ -923,8 +929,6 @@ def test_the_compiled_core_refuses_a_closed_ring_rather_than_touch_its_memory():
 
 @pytest.mark.timeout(120)
 def test_the_pure_python_core_runs_a_computation_and_a_bad_setting_is_named(tmp_path):
-    import subprocess
-    import sys
     script = tmp_path / "prog.py"
     script.write_text(
         "import numpy as np\n"
@@ -957,7 +961,6 @@ def test_without_a_c_compiler_the_build_warns_and_goes_on(tmp_path, monkeypatch,
     # what `pip install` runs (setup.py's build_ext) on a machine without a
     # compiler: the compiled modules are skipped with a warning, and the
     # install goes on
-    import runpy
     pytest.importorskip("Cython")
     from setuptools import Distribution
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -982,10 +985,6 @@ def test_without_a_c_compiler_the_build_warns_and_goes_on(tmp_path, monkeypatch,
 def test_a_wheel_built_from_the_sdist_has_the_compiled_core(tmp_path):
     # the release path (python -m build, or pip from an sdist): the sdist
     # lacked the .pyx, and its wheels never had the compiled core
-    import subprocess
-    import sys
-    import tarfile
-    import zipfile
     pytest.importorskip("build")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), root],
@@ -1009,9 +1008,6 @@ def test_a_wheel_built_from_the_sdist_has_the_compiled_core(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_requiring_the_compiled_core_where_it_was_not_built_says_so(tmp_path):
-    import shutil
-    import subprocess
-    import sys
     src = os.path.join(os.path.dirname(os.path.abspath(ring.__file__)), "..", "..")
     copy = tmp_path / "src"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
