@@ -1136,3 +1136,68 @@ def test_sys_exit_in_a_destroy_hook_fails_the_destroy_not_the_caller(run):
         return "main goes on"
 
     assert run(main, contexts=2) == "main goes on"
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_call_is_sent_as_the_general_issue_sends_it(run):
+    # issue_plain (a persistent object's call without keyword arguments) is
+    # issue's commonest case in one function: the frame must be the same
+    def main():
+        eng = ctxmod.current_engine()
+        c = Cell.create(5, on=1)
+        c.get().result()
+        oid = mf.info(c).id
+        sent = []
+        send = eng.transport.send
+
+        def spy(dest, parts, load):
+            sent.append(bytes(parts[0]))
+            return send(dest, parts, load)
+
+        eng.transport.send = spy
+        try:
+            site = c.get.info
+            f1 = eng.issue("p", (oid,), "get", (), {}, 1, site=site, oid=oid)
+            f2 = eng.issue_plain("p", (oid,), "get", (), 1, site, oid)
+            values = f1.result(timeout=10), f2.result(timeout=10)
+        finally:
+            del eng.transport.send
+        calls = [mf.core.marshal.loads(b, []) for b in sent]
+        calls = [m for m in calls if type(m) is tuple and m[0] == ctxmod.CALL]
+        assert len(calls) == 2
+        (a, b) = calls
+        assert a[1] != b[1]  # each its own call id
+        assert a[:1] + a[2:] == b[:1] + b[2:]
+        return values
+
+    assert run(main, contexts=2) == (5, 5)
+
+
+@mf.persistent
+class Box:
+    def put(self, x, scale=1):
+        return x * scale
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_call_goes_the_general_way_when_something_is_unusual(run, transport):
+    # what issue_plain hands to issue: arguments that are not plain (a
+    # container, a future), keyword arguments, a call to its own context,
+    # a context removed (its objects' calls fail, naming it)
+    def main():
+        far, here = Box.create(on=1), Box.create(on=0)
+        f = far.put(3)
+        out = [far.put([1, 2]).result(timeout=10), far.put(f).result(timeout=10),
+               far.put(2, scale=5).result(timeout=10), here.put(4).result(timeout=10)]
+        if transport == "mpi":
+            return out, True  # (mpi cannot remove a rank: its own test says so)
+        mf.remove_context(1)
+        try:
+            far.put(1).result(timeout=10)
+        except mf.ObjectDestroyed as e:
+            return out, "context 1" in str(e)
+        return out, "no error"
+
+    out, gone = run(main, contexts=2)
+    assert out == [[1, 2], 3, 10, 4]
+    assert gone is True

@@ -146,8 +146,11 @@ class PersistentHandle(_Handle):
 
     def _call(self, info: Any, args: tuple, kwargs: dict) -> Future:
         eng = _engine_of(self)
-        return eng.issue(PERSISTENT, (self._oid,), info.name, args, kwargs, self._ctx,
-                         site=info, oid=self._oid)
+        if kwargs:
+            return eng.issue(PERSISTENT, (self._oid,), info.name, args, kwargs, self._ctx,
+                             site=info, oid=self._oid)
+        return eng.issue_plain(PERSISTENT, (self._oid,), info.name, args, self._ctx, info,
+                               self._oid)
 
     def __reduce__(self):
         _check_travel(self, self._comp)
