@@ -977,7 +977,18 @@ class Engine:
             return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
             timeout = check_timeout(timeout)
-        self.request_value(f)
+        if f._engine is self and not f._asked and f._state != FINISHED and not self.closed \
+                and not self.early and _get_ident() == self.thread:
+            # request_value's commonest case, inline: not asked yet, here
+            f._asked = True
+            site = f._site
+            if site is not None and site.strict < 8:
+                site.strict += 1
+            self.asked[f._fid] = f
+            if not f._eager or f._ready_remote:
+                self.forward(f, self.id, (f._fid, None))
+        else:
+            self.request_value(f)
         if f._state == FINISHED:
             return
         if timeout is not None and not stamped:
