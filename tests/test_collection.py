@@ -437,3 +437,37 @@ def test_a_collection_on_a_removed_context_names_its_element_class(run, transpor
     tail = ": its object was on context 1, which was removed"
     assert said == ["Cell.where" + tail, "_scaled on Cell elements" + tail,
                     "map_blocks(sum) on Cell elements" + tail, "Cell.where" + tail], said
+
+
+@pytest.mark.timeout(60)
+def test_a_collection_of_a_builtin_type_takes_its_index_as_the_argument(run):
+    # float(index): float's __init__ is object's, its __new__ takes the index
+    def main():
+        return mf.Collection(float, 3).apply("is_integer").result(timeout=10), \
+            mf.Collection(int, 2, contexts=2).apply("bit_length").result(timeout=10)
+
+    assert run(main, contexts=2) == ([True, True, True], [0, 1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["local", "inproc", "tcp"])
+def test_destroying_a_collection_after_one_of_its_contexts_was_removed_ends_the_rest(transport):
+    # the elements of the removed context went with it: destroy ends the
+    # others, and is done (it failed naming the private _Host class)
+    class El:
+        def __init__(self, i):
+            self.i = i
+
+        def get(self):
+            return self.i
+
+    def main():
+        coll = mf.Collection(El, 6)
+        mf.remove_context(1)
+        assert coll.destroy().result(timeout=10) is None
+        objects = [mf.stats()[c]["objects"] for c in (0, 2)]
+        with pytest.raises(mf.ObjectDestroyed):
+            coll.apply("get").result(timeout=10)
+        return objects
+
+    assert mf.run(main, contexts=3, transport=transport) == [0, 0]

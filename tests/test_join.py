@@ -734,3 +734,48 @@ def test_wait_contexts_does_not_count_a_context_that_died_before_it_was_called()
         if w is not None:
             finish(w)  # (its worker ends with the computation)
     assert states == ["running"] * 3 + ["lost"]
+
+
+def test_a_ctrl_c_to_a_program_and_its_worker_stops_the_worker_without_a_traceback(tmp_path):
+    # one Ctrl-C in a terminal reaches the program and the worker it started
+    # (one process group): the worker stops its contexts and says so (it
+    # printed a KeyboardInterrupt traceback from its own cleanup, exit -2)
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        import macroflow as mf
+
+        @mf.persistent
+        class P:
+            def slow(self, s):
+                time.sleep(s)
+                return s
+
+        try:
+            with mf.init(contexts=2, listen="127.0.0.1:0", secret={SECRET!r}) as session:
+                w = subprocess.Popen([sys.executable, "-m", "macroflow", "worker", "--connect",
+                                      session.launcher.address, "-n", "2"],
+                                     env={{**os.environ, "MACROFLOW_SECRET": {SECRET!r}}})
+                mf.wait_contexts(4, timeout=60)
+                print("ready", flush=True)
+                P.create(on=3).slow(60).result()
+        except KeyboardInterrupt:
+            print("worker exit code", w.wait(timeout=30), flush=True)
+    """))
+    # (under timeout(1), as a harness runs it: it passes the Ctrl-C on to
+    # the program, which so gets two)
+    proc = subprocess.Popen(["timeout", "120", sys.executable, str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)  # (the call reaches context 3; the outcome is the same either way)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "worker exit code 130" in out, (out, err)
+    assert "macroflow worker: interrupted; its contexts were stopped" in out + err
+    assert "Traceback" not in err, err

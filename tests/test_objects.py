@@ -604,7 +604,9 @@ def test_gather_and_wait_of_no_futures_need_no_computation():
     (None, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got NoneType"),
     (5, r"mf\.{who}\(\) takes an iterable of futures \(a list, .*\); got int"),
     ("future", r"mf\.{who}\(\) takes an iterable of futures, not one Future: pass \[f\]"),
-], ids=["dict", "None", "int", "future"])
+    ("xyz", r"mf\.{who}\(\) takes an iterable of futures, not a str \('xyz'\)"),
+    (b"xy", r"mf\.{who}\(\) takes an iterable of futures, not a bytes \(b'xy'\)"),
+], ids=["dict", "None", "int", "future", "str", "bytes"])
 @pytest.mark.parametrize("who", ["gather", "wait"])
 def test_gather_and_wait_refuse_what_is_not_an_iterable_of_futures(run, who, given, complaint):
     def main():
@@ -2387,3 +2389,39 @@ def test_a_call_from_a_thread_a_method_started_names_that_context(run, transport
     [said] = run(main, contexts=3)
     assert said.startswith("macroflow was called from a thread other than context 1's, "
                            "which runs its methods"), said
+
+
+@mf.persistent
+class NewPoint:
+    # its constructor's arguments are taken by __new__ (no __init__)
+    def __new__(cls, x, y=0):
+        self = super().__new__(cls)
+        self.xy = (x, y)
+        return self
+
+    def get(self):
+        return self.xy
+
+
+@mf.regular
+class NewScaler:
+    def __new__(cls, k):
+        self = super().__new__(cls)
+        self.k = k
+        return self
+
+    def scale(self, v):
+        return self.k * v
+
+
+@pytest.mark.timeout(60)
+def test_a_class_whose_new_takes_the_arguments_is_built_as_python_builds_it(run):
+    def main():
+        p = NewPoint.create(5, y=2, on=1)
+        with pytest.raises(mf.CallError, match=r"NewPoint\(\): missing a required argument"):
+            NewPoint.create()  # checked against __new__, where the call is made
+        with pytest.raises(mf.CallError, match=r"NewPoint\(\): too many positional"):
+            NewPoint.create(1, 2, 3)
+        return p.get().result(timeout=10), NewScaler(3).scale(4).result(timeout=10)
+
+    assert run(main, contexts=2) == ((5, 2), 12)

@@ -558,9 +558,12 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                 print(f"macroflow worker: context {ctx} {_launch.describe_status(status)}",
                       file=out, flush=True)
     except KeyboardInterrupt:
-        for pid in pids:
-            _launch._kill(pid)
-        print("macroflow worker: interrupted; its contexts were stopped", file=out)
+        # (a second Ctrl-C, or the computation's own interrupt reaching the
+        # group, must not cut the stopping short: it left a traceback)
+        with _launch._sigint_ignored():
+            for pid in pids:
+                _launch._kill(pid)
+            print("macroflow worker: interrupted; its contexts were stopped", file=out)
         return 130
     return code
 

@@ -44,6 +44,10 @@ def _items(futures: Any, who: str) -> List[Any]:
     if isinstance(futures, Future):
         raise TypeError(f"mf.{who}() takes an iterable of futures, not one Future: "
                         f"pass [f], or use f.result()")
+    if isinstance(futures, (str, bytes, bytearray)):
+        # (iterable, but of characters: a value passed by mistake)
+        raise TypeError(f"mf.{who}() takes an iterable of futures, not a "
+                        f"{type(futures).__name__} ({futures[:20]!r})")
     try:
         it = iter(futures)
     except TypeError:
@@ -202,7 +206,8 @@ def gather(futures: Iterable[Any], timeout: Optional[float] = None) -> List[Any]
 
     Raises:
         TypeError: ``futures`` is not an iterable: a dict (pass
-            ``d.values()``), a single Future (pass ``[f]``), None...
+            ``d.values()``), a single Future (pass ``[f]``), a string,
+            None...
         macroflow.TimeoutError: ``timeout`` seconds passed first.
 
     Example:

@@ -37,6 +37,7 @@ from ..core.context import (CALL, EAGER, EARLY_MAX, MISSING, PINNED, RSR, RUNTIM
 from ..core.context import _Unreadable as Unreadable
 from ..core.future import CoroutineType, run_coroutine, site_label
 from ..core.threads import INTERRUPTS, getcurrent
+from .methods import build
 
 # kinds of call targets
 PERSISTENT, REGULAR, CREATE = "p", "r", "c"
@@ -481,12 +482,11 @@ class ObjectHost(Model):
             eng.stats.calls_executed += 1
             try:
                 args, kwargs = eng._args(call)
-                inst = cls.__new__(cls)
                 svc = eng.service
                 if svc is None:
-                    inst.__init__(*args, **kwargs)
+                    inst = build(cls, args, kwargs)
                 else:
-                    svc.run_user(inst.__init__, args, kwargs)
+                    inst = svc.run_user(build, (cls, args, kwargs), None)
             except INTERRUPTS:
                 raise
             except BaseException as e:
@@ -867,8 +867,7 @@ class RegularCalls(_HostedKind):
         inst = free.pop() if free else None
         if inst is None:
             try:
-                inst = cls.__mf_new__(cls)
-                inst.__init__(*cargs, **ckw)
+                inst = build(cls, cargs, ckw)
             except INTERRUPTS:
                 raise
             except BaseException as e:

@@ -27,8 +27,11 @@ class MethodInfo(CallSite):
         except (TypeError, ValueError):
             sig = None
         if sig is not None and takes_self:
-            # the instance fills the first parameter: check the rest
-            sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+            # the instance fills the first parameter: check the rest (a
+            # builtin's ``(*args, **kwargs)`` takes it among the others)
+            params = list(sig.parameters.values())
+            if params and params[0].kind != params[0].VAR_POSITIONAL:
+                sig = sig.replace(parameters=params[1:])
         self.sig = sig
         self.nmin, self.nmax, self.simple = 0, None, False
         if sig is not None:
@@ -61,6 +64,40 @@ class MethodInfo(CallSite):
                 hint = (f"; to place the object, {self.label}.create(..., on=...) (on= belongs "
                         f"to create, not to the class's call)")
             raise CallError(f"{self.label}(): {e}{hint}") from None
+
+
+def user_new(cls: type) -> Callable[..., Any]:
+    """The ``__new__`` that makes an instance of ``cls`` itself: its own, or
+    what ``@mf.regular`` kept of it (the class's ``__new__`` makes handles).
+
+    Example:
+        >>> class A: pass
+        >>> user_new(A) is object.__new__
+        True
+    """
+    new = getattr(cls, "__mf_new__", None)
+    return cls.__new__ if new is None else new
+
+
+def build(cls: type, args: tuple, kwargs: Optional[dict]) -> Any:
+    """An instance of ``cls`` made from its constructor's arguments as
+    ``cls(*args, **kwargs)`` makes one in plain Python: its ``__new__``
+    (see :func:`user_new`), then ``__init__`` if that gave an instance of
+    ``cls``.
+
+    Example:
+        >>> class P:
+        ...     def __new__(cls, x):
+        ...         self = super().__new__(cls); self.x = x; return self
+        >>> build(P, (5,), None).x
+        5
+    """
+    kwargs = kwargs or {}
+    new = user_new(cls)
+    inst = new(cls) if new is object.__new__ else new(cls, *args, **kwargs)
+    if isinstance(inst, cls):
+        inst.__init__(*args, **kwargs)
+    return inst
 
 
 def method_info(cls: type, name: str) -> MethodInfo:
@@ -132,14 +169,28 @@ def constructor_info(cls: type) -> MethodInfo:
         Traceback (most recent call last):
         ...
         macroflow.core.errors.CallError: A(): too many positional arguments
+
+    A class whose ``__new__`` takes the arguments is checked against it:
+
+        >>> class B:
+        ...     def __new__(cls, x): return super().__new__(cls)
+        >>> constructor_info(B).nmin, constructor_info(B).nmax
+        (1, 1)
     """
     info = cls.__dict__.get("__mf_ctor__")
     if info is None:
         init = cls.__init__
         if init is object.__init__:
-            # none defined: the class takes no arguments, as Python says when
-            # it is called with some (object.__init__'s own signature takes all)
-            init = _no_arguments
+            new = user_new(cls)
+            if new is object.__new__:
+                # none defined: the class takes no arguments, as Python says
+                # when it is called with some (object.__init__'s own
+                # signature takes all)
+                init = _no_arguments
+            else:
+                # its __new__ takes them (float, a class of its own): its
+                # first parameter, the class, as __init__'s is the instance
+                init = new
         info = MethodInfo(cls, "__init__", init)
         info.label = cls.__qualname__  # errors read "Cls(): ...", as the class is called
         _keep(cls, "__mf_ctor__", info)

@@ -666,6 +666,9 @@ class Collection:
         A collection lives until the computation ends otherwise: one made
         for a step and dropped keeps its elements' memory.
 
+        The elements of a context removed (:func:`macroflow.remove_context`)
+        went with it: the rest are destroyed, and the future is done.
+
         Raises:
             macroflow.StaleReference: the collection is of another computation.
 
@@ -682,8 +685,10 @@ class Collection:
             'ObjectDestroyed'
         """
         current_engine_of(self._comp, "collection", self)
-        gone = [destroy(h) for h in self._hosts]
-        return _Combine.create(on=current_engine().id).all_done(gone)
+        eng = current_engine()
+        # (the elements of a context removed went with it: nothing to end there)
+        gone = [destroy(h) for h in self._hosts if h._ctx not in eng.heirs]
+        return _Combine.create(on=eng.id).all_done(gone)
 
     __mf_destroy__ = destroy
 

@@ -415,6 +415,9 @@ class DeathWatch:
         self.address = self.address_of(name)
         self.on_death = on_death
         self.deaths: List[int] = []
+        #: the pids of the deaths being told that came together, in an order
+        #: that says nothing of which came first (see _tell)
+        self.together: Set[int] = set()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.address)
         self.listener.listen(64)
@@ -495,7 +498,14 @@ class DeathWatch:
             if status is None:
                 return 1
             return 1 if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL else 0
-        for pid, status in sorted(deaths, key=order):
+        deaths = sorted(deaths, key=order)
+        # Several killed (or ended unread) and none of its own accord: the
+        # first heard is no more likely the one that died first (a watch
+        # hears them in one pass, 2 runs of 10 the wrong way): on_death may
+        # say so (see together)
+        self.together = {pid for pid, _ in deaths} \
+            if len(deaths) > 1 and order(deaths[0]) == 1 else set()
+        for pid, status in deaths:
             try:
                 self.on_death(pid, status)
             except Exception:
@@ -3013,7 +3023,11 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             return
         global _broken
         first = next(iter(self.deaths), None)
-        if first is None:
+        watch = DeathWatch._mine
+        together = sorted(c for c, (h, p) in self.hosts.items()
+                          if watch is not None and p in watch.together and _local(h)
+                          and c != ctx)
+        if first is None or together:
             if status is None:
                 how = "ended while the computation ran (killed, or os._exit)"
             elif os.WIFSIGNALED(status):
@@ -3021,9 +3035,16 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
             else:
                 how = describe_status(status)
             how = f"its process (pid {pid}) {how}"
-            _broken = (f"context {ctx}, a rank this process spawned, died ({how}); MPI here "
-                       f"cannot spawn ranks again")
-            _end_without_finalize()
+            if together:
+                others = ", ".join(str(c) for c in together)
+                whose = f"context {others}'s" if len(together) == 1 else f"contexts {others}'"
+                how += (f"; {whose} ended at the same moment: one died first, and MPI's process "
+                        f"manager ended the others (it ends every spawned rank when one "
+                        f"dies); which one died first is not known")
+            if first is None:
+                _broken = (f"context {ctx}, a rank this process spawned, died ({how}); MPI "
+                           f"here cannot spawn ranks again")
+                _end_without_finalize()
         else:
             how = (f"its process (pid {pid}) was ended by MPI after context "
                    f"{first}'s died (MPI's process manager ends every spawned "
