@@ -265,9 +265,12 @@ class Future:
         else:
             self._exc = value
         self._state = FINISHED
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            w.wake(None)
+        if self._waiters:  # (most have none: no list made for them)
+            waiters, self._waiters = self._waiters, []
+            for w in waiters:
+                w.wake(None)
+        if not self._callbacks:
+            return
         callbacks, self._callbacks = self._callbacks, []
         if callbacks and self._engine is not None and self._engine.undetached:
             self._engine.kept_copies()  # user code runs: see Engine.kept_copies

@@ -21,10 +21,12 @@ the class attribute ``create``.
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
+from ..core.context import _state as _ctx_state
 from ..core.context import as_int, current_engine
 from ..core.errors import CallError, StaleReference
 from ..core.future import CallSite, Future, current_engine_of, running_computation
@@ -33,6 +35,8 @@ from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
 from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR, ctor_capture
 from .methods import constructor_info, method_info
+
+_get_ident = threading.get_ident
 
 T = TypeVar("T", bound=type)
 
@@ -96,6 +100,10 @@ def _engine_of(handle: Any) -> Any:
     RuntimeError when nothing runs."""
     eng = getattr(getcurrent(), "engine", None)  # current_engine()'s first look, inline
     if eng is None:
+        eng = _ctx_state.current or _ctx_state.default  # and its second, for main's thread
+        if eng is not None and _get_ident() == eng.thread \
+                and (handle._comp is None or eng.computation == handle._comp):
+            return eng
         try:
             eng = current_engine()
         except RuntimeError:
