@@ -651,7 +651,7 @@ class Engine:
         finally:
             _state.current = prev
         fid = (a0, a1)
-        del self.asked[fid]
+        self.asked.pop(fid, None)
         if self.eager:
             self.eager.pop(fid, None)
         f._value = value  # f._set(True, value), inline
