@@ -1787,11 +1787,22 @@ class Engine:
                 elif bufs or len(data) > EAGER_MAX:
                     self._send_eager(call, True, data, bufs)
                 else:
-                    self.stats.values_sent += 1
-                    if fid[0] == self.id:
-                        self.send_value(fid[0], (fid, None), True, data, [])  # (see there)
-                    else:  # send_value, inline
-                        self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
+                    st = self.stats
+                    st.values_sent += 1
+                    dest = fid[0]
+                    if dest == self.id:
+                        self.send_value(dest, (fid, None), True, data, [])  # (see there)
+                    elif self.inbox or self.heirs or self.lost:  # send_value, inline
+                        self.send_frame(dest, [_VGET.pack(_V, True, dest, fid[1]) + data])
+                    else:  # and send_frame's commonest case too (the batch's last reply)
+                        try:
+                            n = self.transport.send(dest, [_VGET.pack(_V, True, dest, fid[1]) +
+                                                           data], self.active + self.base_load)
+                        except ConnectionError:
+                            pass  # peer_lost has been (or will be) called with the reason
+                        else:
+                            st.messages_sent += 1
+                            st.bytes_sent += n
                 if slot.subs or slot.released:
                     self._complete(fid, slot, True, data, bufs)
                 else:  # _complete, inline: nobody else asked, not released yet
