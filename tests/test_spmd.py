@@ -1237,6 +1237,28 @@ def test_under_mpi_array_allreduce_is_mpis_own_and_barriers_use_shared_memory(tr
     assert [r[2] for r in res] == [shared] * n
 
 
+SUMMANDS = [1e16, 1.0, -1e16, 1.0, 3.0]  # (float addition is not associative)
+
+
+def float_sums():
+    v = SUMMANDS[mf.rank()]
+    return (mf.allreduce(v, op="sum"), mf.reduce(v, op="sum", root=0),
+            mf.allreduce(np.array([v, 2 * v]), op="sum").tolist(),
+            mf.allreduce(np.float32(v), op="prod"), mf.allreduce(v, op="max"))
+
+
+def test_an_allreduce_of_floats_is_combined_in_rank_order_on_every_transport(transport):
+    # MPI's own Iallreduce sums in an order of its own: 4.0 here where rank
+    # order gives 3.0 (and mf.reduce, in the same run, 3.0); so floats summed
+    # or multiplied over more than two ranks go by the run's tree
+    res = mf.spmd(float_sums, n=5, transport=transport)
+    tree = 3.0  # ((1e16 + 1.0) + (-1e16 + 1.0)) + 3.0: a left fold gives 4.0
+    assert res[0][:3] == (tree, tree, [tree, 2 * tree])
+    assert all(r[:3] == (tree, None, [tree, 2 * tree]) for r in res[1:])
+    assert res == mf.spmd(float_sums, n=5, transport="inproc")
+    assert [r[4] for r in res] == [1e16] * 5
+
+
 def test_a_poller_is_called_at_each_step_until_it_returns_true():
     from macroflow.core.context import current_engine
     calls = []

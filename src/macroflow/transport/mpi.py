@@ -3667,9 +3667,23 @@ def _reducible(value: Any, op: str, ranks: int) -> Tuple[Any, Any]:
     and what turns the reduced array back into ``value``'s type (None: it is
     an array); ``(None, None)`` where MPI cannot give what the tree gives: a
     value of another type, or a Python int whose sum over ``ranks`` ranks
-    could leave int64 (Python's ints do not overflow; MPI's would wrap)."""
+    could leave int64 (Python's ints do not overflow; MPI's would wrap), or
+    floats summed or multiplied over more than two ranks: the tree combines
+    them in rank order, MPI in an order of its own, and float addition is
+    not associative (1e16, 1.0, -1e16, 1.0, 3.0 over five ranks: 3.0 by the
+    tree, 4.0 by MPICH); of two, either order gives the same bits.
+
+    Example:
+        >>> _reducible(1.5, "sum", 2)[1], _reducible(1.5, "sum", 3), _reducible(1.5, "max", 3)[1]
+        (<class 'float'>, (None, None), <class 'float'>)
+    """
     import numpy as np
     t = type(value)
+    if ranks > 2 and (op == "sum" or op == "prod"):
+        kind = value.dtype.kind if isinstance(value, (np.ndarray, np.generic)) else \
+            "f" if t is float else None
+        if kind == "f":
+            return None, None
     if t is np.ndarray:
         if value.dtype.kind not in "iuf":
             return None, None
