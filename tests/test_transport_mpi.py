@@ -1651,7 +1651,7 @@ def test_native_collectives_call_mpi_in_the_order_they_were_started(tested_first
     calls = []
     natives = M.MpiCollectives(_FakeMPI, _RecordingComm(calls))
     barrier = natives.start("barrier", None, None)
-    first = natives.start("allreduce", np.ones(4), "sum")
+    first = natives.start("allreduce", np.ones(4, np.int64), "sum")  # (floats: see _reducible)
     barrier.test()  # (the duplicate is not ready yet)
     second = natives.start("allreduce", np.ones(2), "max")
     order = {"barrier": [first, barrier, second], "allreduce": [second, first, barrier],
@@ -1661,7 +1661,7 @@ def test_native_collectives_call_mpi_in_the_order_they_were_started(tested_first
             op.test()
     assert calls == ["Ibarrier", "Iallreduce signature", "Iallreduce values",
                      "Iallreduce signature", "Iallreduce values"]
-    assert first.result().tolist() == [1.0] * 4 and second.result().tolist() == [1.0] * 2
+    assert first.result().tolist() == [1] * 4 and second.result().tolist() == [1.0] * 2
     assert barrier.result() is None
 
 
@@ -1972,3 +1972,39 @@ def test_a_spawned_rank_that_kills_itself_is_not_said_to_be_ended_for_another(tm
     assert line is not None, (p.stdout, p.stderr)
     assert line.startswith("lost 2 context 2 was lost: its process"), line
     assert "after context 1's died" not in line, line
+
+
+def test_a_program_that_catches_a_spawned_ranks_interrupt_exits_as_it_would_anywhere(tmp_path):
+    # rank 1's function raises KeyboardInterrupt while 0 and 2 wait in MPI's
+    # own barrier, which then never ends: the process ends without
+    # MPI_Finalize, with the status Python gives it (it was 1, from the
+    # error the program caught); uncaught, the error's status
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import macroflow as mf
+
+        def f():
+            if mf.rank() == 1:
+                raise KeyboardInterrupt
+            mf.barrier()
+
+        if __name__ == "__main__":
+            if sys.argv[1] == "caught":
+                try:
+                    mf.spmd(f, n=3, transport="mpi")
+                except mf.ContextLost as e:
+                    print("caught", e.context, flush=True)
+                print("finished", flush=True)
+            else:
+                mf.spmd(f, n=3, transport="mpi")
+    """))
+    for how, code in (("caught", 0), ("uncaught", 1)):
+        p = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                           timeout=90, env=_env(), preexec_fn=os.setpgrp)
+        assert p.returncode == code, (how, p.stdout, p.stderr)
+        if how == "caught":
+            ours = [x for x in p.stdout.splitlines() if "UCX" not in x]  # (UCX warns here)
+            assert ours == ["caught 1", "finished"], p.stdout
+        else:
+            assert "ContextLost" in p.stderr, p.stderr

@@ -804,8 +804,12 @@ def _at_exit() -> None:  # pragma: no cover - ends the process
         except OSError:
             pass
     # (an uncaught SystemExit, mf.Terminated's 143 say, never reaches
-    # sys.last_value: it is the exception MPI broke under, if any)
-    last = getattr(sys, "last_value", None) or (_ending[0] if _ending else None)
+    # sys.last_value: it is the exception MPI broke under, if any; any other
+    # that did not end the program uncaught is not how it ends: the program
+    # caught it, a rank's KeyboardInterrupt made its exit 1)
+    last = getattr(sys, "last_value", None)
+    if last is None and _ending and isinstance(_ending[0], SystemExit):
+        last = _ending[0]
     if _exit_code or isinstance(last, SystemExit):
         code = _exit_code[0] if _exit_code else last.code  # type: ignore[union-attr]
         code = 0 if code is None else code if isinstance(code, int) else 1
