@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import macroflow as mf
+from conftest import MPI_MISSING
 from common import Gate, our_processes
 from macroflow.core.context import SYSTEM, current_engine
 from macroflow.transport import mpi as _mpi
@@ -279,12 +280,18 @@ def test_cli_run_says_what_is_wrong_with_a_script_in_its_own_words(tmp_path, sou
         assert out.stdout.strip() == "7"
 
 
-@pytest.mark.parametrize("name, value", [("MACROFLOW_SPIN_US", "fast"),
-                                         ("MACROFLOW_SERVICE", "bogus")])
-def test_cli_run_bad_environment_is_a_usage_error(tmp_path, name, value):
-    # (a bad MACROFLOW_SERVICE printed a traceback)
+@pytest.mark.parametrize("name, value, transport", [
+    ("MACROFLOW_SPIN_US", "fast", "local"), ("MACROFLOW_SERVICE", "bogus", "local"),
+    ("MACROFLOW_PIN", "bogus", "local"), ("MACROFLOW_PIN", "bogus", "mpi"),
+    ("MACROFLOW_RINGS", "2", "tcp"), ("MACROFLOW_MPI_INIT_WARN_S", "abc", "mpi")])
+def test_cli_run_bad_environment_is_a_usage_error(tmp_path, name, value, transport):
+    # (a bad MACROFLOW_SERVICE printed a traceback; a bad MACROFLOW_PIN ran on
+    # mpi, which does not pin, and MACROFLOW_MPI_INIT_WARN_S=abc was taken as 30)
+    if transport == "mpi" and MPI_MISSING is not None:
+        pytest.skip(MPI_MISSING)
     script = _script(tmp_path, MAIN_CLASSES)
-    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", script],
+    out = subprocess.run([sys.executable, "-m", "macroflow", "run", "-n", "2", "--transport",
+                          transport, script],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, name: value})
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -2008,3 +2008,15 @@ def test_a_program_that_catches_a_spawned_ranks_interrupt_exits_as_it_would_anyw
             assert ours == ["caught 1", "finished"], p.stdout
         else:
             assert "ContextLost" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("name, value", [("MACROFLOW_PIN", "bogus"), ("MACROFLOW_RINGS", "yes"),
+                                         ("MACROFLOW_MPI_INIT_WARN_S", "abc"),
+                                         ("MACROFLOW_MPI_INIT_WARN_S", "-1")])
+def test_a_bad_setting_is_refused_on_mpi_as_anywhere(monkeypatch, name, value):
+    # (MACROFLOW_PIN, which mpi does not read, was taken; the MPI start's
+    # warning time fell back to 30 s)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"the {name} environment variable must be .*"
+                                         f"got {re.escape(repr(value))}"):
+        mf.run(mf.num_contexts, contexts=2, transport="mpi")

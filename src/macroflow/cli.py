@@ -90,7 +90,7 @@ def _may_define(source: bytes, name: str) -> bool:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
-    from macroflow.launch import spin_us_setting
+    from macroflow.launch import pin_setting, rings_setting, spin_us_setting
     from macroflow.launch import load_transport
     from macroflow.transport.mpi import world_from_environment
     # usage errors, all found before the script runs
@@ -99,7 +99,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         spin_us_setting()
         service_setting()
+        pin_setting()
+        rings_setting()
         module = load_transport(args.transport or "local")
+        if module.__name__.endswith(".mpi"):
+            from macroflow.transport.mpi import init_warning_s
+            init_warning_s()
         check = getattr(module, "check_room", None)
         if check is not None:  # (mpiexec -n N starts N ranks here too)
             check(args.n or os.cpu_count() or 1)

@@ -1294,6 +1294,8 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
     module = load_transport(transport)
     from .core.threads import service_setting
     service_setting()  # a bad MACROFLOW_SERVICE is refused before anything starts
+    pin_setting()  # (and those the transports that read them would refuse only later,
+    rings_setting()  # or, where they are not read, never: on every transport alike)
     check = getattr(module, "check_room", None)
     make_launcher = None
     if listen is not None:

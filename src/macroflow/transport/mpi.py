@@ -320,15 +320,26 @@ def init_warning_s() -> float:
     """Seconds MPI may take to start in a rank of an mpiexec job before the
     rank says what it waits for (MACROFLOW_MPI_INIT_WARN_S; default 30).
 
+    Raises:
+        ValueError: it is set to anything but a number of seconds >= 0.
+
     Example:
         >>> os.environ.pop("MACROFLOW_MPI_INIT_WARN_S", None) and None
         >>> init_warning_s()
         30.0
     """
-    try:
-        return max(0.0, float(os.environ.get("MACROFLOW_MPI_INIT_WARN_S", "30")))
-    except ValueError:
+    env = os.environ.get("MACROFLOW_MPI_INIT_WARN_S", "").strip()
+    if not env:
         return 30.0
+    try:
+        value = float(env)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0 or value == float("inf"):
+        raise ValueError(f"the MACROFLOW_MPI_INIT_WARN_S environment variable must be a number "
+                         f"of seconds >= 0 (how long a rank waits for MPI to start before it "
+                         f"says so); got {env!r}")
+    return value
 
 
 def _init_waits(world: Tuple[int, int]) -> None:
