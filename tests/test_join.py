@@ -779,3 +779,13 @@ def test_a_ctrl_c_to_a_program_and_its_worker_stops_the_worker_without_a_traceba
     assert "worker exit code 130" in out, (out, err)
     assert "macroflow worker: interrupted; its contexts were stopped" in out + err
     assert "Traceback" not in err, err
+
+
+def test_a_worker_with_more_contexts_than_the_host_holds_names_its_own_count():
+    # (it said "100000001 contexts do not fit": its count and context 0's)
+    r = subprocess.run([sys.executable, "-m", "macroflow", "worker", "--connect", "127.0.0.1:1",
+                        "-n", "100000000"], env={**os.environ, "MACROFLOW_SECRET": SECRET},
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "macroflow worker: error: -n 100000000: 100000000 more contexts do not fit in this " \
+           "host's memory" in r.stderr, r.stderr
