@@ -2461,3 +2461,28 @@ def test_a_result_in_registered_memory_is_the_value_when_it_returned(run, n):
         return int(whole.result(30).max()), int(part.result(30).max()), int(h.get().result(30).max())
 
     assert run(main, contexts=3) == (0, 0, 7)
+
+
+def _seen(obj, box):
+    box.append(obj.shape)
+
+
+def rsr_of_parts():
+    gp = mf.allgather(mf.register(np.arange(10.0)))[1 - mf.rank()]
+    said = []
+    for part in (gp[2:4], gp[5], gp[0:9]):
+        try:
+            mf.rsr(part, _seen, [])
+        except ValueError as e:
+            said.append(str(e).split(";")[0])
+    mf.rsr(gp, _seen, [])  # the whole buffer: sent
+    mf.barrier()
+    return said
+
+
+def test_an_rsr_to_a_part_of_registered_memory_is_refused(transport):
+    # its handler gets the whole buffer, as the pointer's object: a slice
+    # was sent all the same, and the handler got 10 elements for 2
+    said = mf.spmd(rsr_of_parts, n=2, transport=transport)
+    assert said == [[f"mf.rsr(): the pointer names part [{a}:{b}] of a registered buffer of 10 "
+                     f"elements" for a, b in ((2, 4), (5, 6), (0, 9))]] * 2

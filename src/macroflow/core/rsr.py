@@ -134,8 +134,9 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
 
     Raises:
         TypeError: ``gptr`` is not a GlobalPointer, or ``handler`` is not callable.
-        ValueError: unknown ``thread``, no protocol shared with the target, or
-            a pointer to a context that does not exist.
+        ValueError: unknown ``thread``, no protocol shared with the target, a
+            pointer to a context that does not exist, or a pointer to a part
+            of registered memory (a slice: the handler gets the whole buffer).
         macroflow.ContextLost: the pointer's context is lost (or was removed).
         macroflow.StaleReference: ``gptr`` belongs to another computation.
         macroflow.CallError: the handler or the arguments cannot be pickled.
@@ -182,6 +183,11 @@ def rsr(gptr: GlobalPointer, handler: Callable[..., Any], *args: Any, thread: st
             head = _first(eng, gptr, handler, thread)
     else:
         _check_gptr(gptr, "rsr", "mf.export() or mf.info(handle).gptr")
+        # a model's pointer may name a part of its object, which the handler
+        # would not get (see MemoryPointer.__mf_rsr_check__)
+        check = getattr(gptr, "__mf_rsr_check__", None)
+        if check is not None:
+            check()
         eng = current_engine_of(gptr.computation, "global pointer", gptr)
         head = _first(eng, gptr, handler, thread)
     ctx = gptr.context

@@ -67,6 +67,31 @@ class MemoryPointer(GlobalPointer):
 
     __slots__ = ("dtype", "offset", "length", "region", "_direct")
 
+    def __mf_rsr_check__(self) -> None:
+        """Refuse :func:`macroflow.rsr` of a part of the buffer: its handler
+        gets the object a pointer names, the whole registered buffer.
+
+        Example:
+            >>> import macroflow as mf, numpy as np
+            >>> def main():
+            ...     gp = mf.register(np.arange(10.0))
+            ...     gp.__mf_rsr_check__()  # the whole buffer: nothing to say
+            ...     try:
+            ...         gp[2:4].__mf_rsr_check__()
+            ...     except ValueError as e:
+            ...         return str(e).split(";")[0]
+            >>> mf.spmd(main, n=1, transport="inproc")
+            ['mf.rsr(): the pointer names part [2:4] of a registered buffer of 10 elements']
+        """
+        whole = self.region.nbytes // self.dtype.itemsize \
+            if self.region is not None and self.dtype.itemsize else None
+        if self.offset != 0 or (whole is not None and self.length != whole):
+            raise ValueError(
+                f"mf.rsr(): the pointer names part [{self.offset}:{self.offset + self.length}] of "
+                f"a registered buffer{f' of {whole} elements' if whole is not None else ''}; a "
+                f"handler gets the whole buffer: pass the pointer mf.register() returned, and "
+                f"the part's bounds as arguments")
+
     def __init__(self, context: int, ident: Any, protocols: Tuple[Tuple[str, str], ...],
                  computation: Optional[str], dtype: Any, offset: int, length: int,
                  region: Any):
