@@ -2486,3 +2486,15 @@ def test_an_rsr_to_a_part_of_registered_memory_is_refused(transport):
     said = mf.spmd(rsr_of_parts, n=2, transport=transport)
     assert said == [[f"mf.rsr(): the pointer names part [{a}:{b}] of a registered buffer of 10 "
                      f"elements" for a, b in ((2, 4), (5, 6), (0, 9))]] * 2
+
+
+def reversed_slices():
+    gp = mf.register(np.arange(10.0))
+    parts = [gp[7:3], gp[3:3], gp[-2:], gp[-3:-5]]
+    return [(len(p), p.offset, mf.get(p).wait().tolist()) for p in parts]
+
+
+def test_a_pointer_slice_that_ends_before_it_starts_is_empty_as_pythons(transport):
+    # (it raised IndexError; Python's and numpy's are empty where they start)
+    assert mf.spmd(reversed_slices, n=1, transport=transport) == [
+        [(0, 7, []), (0, 3, []), (2, 8, [8.0, 9.0]), (0, 7, [])]]

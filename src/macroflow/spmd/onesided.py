@@ -128,8 +128,7 @@ class MemoryPointer(GlobalPointer):
             start = 0 if key.start is None else _index(key.start, n, "start")
             stop = n if key.stop is None else _index(key.stop, n, "stop")
             if stop < start:
-                raise IndexError(f"slice [{key.start}:{key.stop}] of a pointer to {_elements(n)} "
-                                 f"ends before it starts")
+                stop = start  # empty, as Python's and numpy's slices that end before they start
         elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             start = _index(key, n, "index")
             stop = start + 1
