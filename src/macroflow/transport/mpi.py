@@ -3089,6 +3089,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         from ..launch import rings_setting
         s = self.session
         rings = rings_setting()  # (a bad setting is an error before any rank waits for us)
+        init_warning_s()  # (read only where MPI starts: checked at every start alike)
         MPI = mpi()
         self.placement, self.spin_us = placement, spin_us
         world = world_from_environment()
