@@ -3072,8 +3072,13 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                         f"manager ended the others (it ends every spawned rank when one "
                         f"dies); which one died first is not known")
             if first is None:
-                _broken = (f"context {ctx}, a rank this process spawned, died ({how}); MPI "
-                           f"here cannot spawn ranks again")
+                if together:  # (which is not known: see DeathWatch._tell)
+                    both = ", ".join(str(c) for c in sorted([ctx, *together]))
+                    _broken = (f"contexts {both}, ranks this process spawned, died at the same "
+                               f"moment ({how}); MPI here cannot spawn ranks again")
+                else:
+                    _broken = (f"context {ctx}, a rank this process spawned, died ({how}); MPI "
+                               f"here cannot spawn ranks again")
                 _end_without_finalize()
         else:
             how = (f"its process (pid {pid}) was ended by MPI after context "
