@@ -67,16 +67,27 @@ class MethodInfo(CallSite):
 
 
 def user_new(cls: type) -> Callable[..., Any]:
-    """The ``__new__`` that makes an instance of ``cls`` itself: its own, or
-    what ``@mf.regular`` kept of it (the class's ``__new__`` makes handles).
+    """What makes an instance of ``cls`` itself: the ``__new__`` nearest in
+    its MRO, but of a class that is @mf.regular the one it kept (its own
+    ``__new__`` makes handles).
 
     Example:
         >>> class A: pass
-        >>> user_new(A) is object.__new__
-        True
+        >>> class B(A):
+        ...     def __new__(cls, x): return super().__new__(cls)
+        >>> user_new(A) is object.__new__, user_new(B) is B.__new__
+        (True, True)
     """
-    new = getattr(cls, "__mf_new__", None)
-    return cls.__new__ if new is None else new
+    for klass in cls.__mro__:
+        own = klass.__dict__
+        if "__mf_new__" in own:
+            new = own["__mf_new__"]
+        elif "__new__" in own:
+            new = own["__new__"]
+        else:
+            continue
+        return new.__func__ if isinstance(new, staticmethod) else new
+    return object.__new__
 
 
 def build(cls: type, args: tuple, kwargs: Optional[dict]) -> Any:

@@ -34,7 +34,7 @@ from ..core.gptr import GlobalPointer
 from ..core.rsr import protocols_of
 from ..core.threads import getcurrent
 from .hosting import CREATE, DESTROY, PERSISTENT, REGULAR, ctor_capture
-from .methods import constructor_info, method_info
+from .methods import constructor_info, method_info, user_new
 
 _get_ident = threading.get_ident
 
@@ -469,20 +469,6 @@ def _refuse_futures(cls: type, args: tuple, kwargs: dict) -> None:
                             f"future to the method instead")
 
 
-def _instance_new(cls: type) -> Callable[..., Any]:
-    """What makes an instance of ``cls`` itself: the ``__new__`` nearest in
-    its MRO, but of a base that is @mf.regular already the one that base
-    kept (its own ``__new__`` makes handles)."""
-    for klass in cls.__mro__:
-        own = klass.__dict__
-        if "__mf_new__" in own:
-            return own["__mf_new__"]
-        if "__new__" in own:
-            new = own["__new__"]
-            return new.__func__ if isinstance(new, staticmethod) else new
-    return object.__new__
-
-
 def regular(cls: T) -> T:
     """Mark a class as a regular (stateless) parallel object (Mentat).
 
@@ -501,7 +487,7 @@ def regular(cls: T) -> T:
     """
     _check_class(cls, "regular")
     cls.__mf_kind__ = "regular"
-    cls.__mf_new__ = staticmethod(_instance_new(cls))
+    cls.__mf_new__ = staticmethod(user_new(cls))
     cls.__new__ = staticmethod(_regular_new)
     cls.create = classmethod(_create_regular)
     return cls
