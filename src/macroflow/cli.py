@@ -90,21 +90,14 @@ def _may_define(source: bytes, name: str) -> bool:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import macroflow as mf
-    from macroflow.launch import pin_setting, rings_setting, spin_us_setting
-    from macroflow.launch import load_transport
+    from macroflow.launch import check_settings, load_transport, spin_us_setting
     from macroflow.transport.mpi import world_from_environment
     # usage errors, all found before the script runs
     launch_mpiexec = args.transport == "mpi" and world_from_environment() is None
-    from macroflow.core.threads import service_setting
     try:
         spin_us_setting()
-        service_setting()
-        pin_setting()
-        rings_setting()
         module = load_transport(args.transport or "local")
-        if module.__name__.endswith(".mpi"):
-            from macroflow.transport.mpi import init_warning_s
-            init_warning_s()
+        check_settings(module)
         check = getattr(module, "check_room", None)
         if check is not None:  # (mpiexec -n N starts N ranks here too)
             check(args.n or os.cpu_count() or 1)

@@ -121,6 +121,33 @@ def pin_setting() -> bool:
                    "each on a CPU of its own")
 
 
+def check_settings(module: Any) -> None:
+    """Refuse a bad setting in the environment before anything starts, on
+    every transport alike (a transport that does not read one would
+    otherwise take it, another refuse it only later): the service
+    mechanism's, pinning's, the rings', and the transport ``module``'s own
+    (its ``check_settings``, if it has one).
+
+    Example:
+        >>> import os
+        >>> os.environ["MACROFLOW_PIN"] = "maybe"
+        >>> try:
+        ...     check_settings(load_transport("inproc"))
+        ... except ValueError as e:
+        ...     print(str(e).split(" must")[0])
+        ... finally:
+        ...     del os.environ["MACROFLOW_PIN"]
+        the MACROFLOW_PIN environment variable
+    """
+    from .core.threads import service_setting
+    service_setting()
+    pin_setting()
+    rings_setting()
+    own = getattr(module, "check_settings", None)
+    if own is not None:
+        own()
+
+
 def _pin(ctx: int, cpus: Optional[List[int]]) -> None:
     # context ctx on a CPU of its own; one added beyond the CPUs goes anywhere
     if cpus:
@@ -1292,10 +1319,7 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         contexts = _ctx.positive_count(contexts, "contexts")
     transport, contexts = choose_transport(transport, contexts)
     module = load_transport(transport)
-    from .core.threads import service_setting
-    service_setting()  # a bad MACROFLOW_SERVICE is refused before anything starts
-    pin_setting()  # (and those the transports that read them would refuse only later,
-    rings_setting()  # or, where they are not read, never: on every transport alike)
+    check_settings(module)  # before anything starts
     check = getattr(module, "check_room", None)
     make_launcher = None
     if listen is not None:

@@ -342,6 +342,17 @@ def init_warning_s() -> float:
     return value
 
 
+def check_settings() -> None:
+    """This transport's settings, checked at every start (see
+    :func:`macroflow.launch.check_settings`): MACROFLOW_MPI_INIT_WARN_S is
+    read only where MPI is first started in a process.
+
+    Example:
+        >>> check_settings()
+    """
+    init_warning_s()
+
+
 def _init_waits(world: Tuple[int, int]) -> None:
     rank, size = world
     print(f"macroflow: rank {rank} of {size} has waited {init_warning_s():g} s for MPI to start: "
@@ -3094,7 +3105,6 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
         from ..launch import rings_setting
         s = self.session
         rings = rings_setting()  # (a bad setting is an error before any rank waits for us)
-        init_warning_s()  # (read only where MPI starts: checked at every start alike)
         MPI = mpi()
         self.placement, self.spin_us = placement, spin_us
         world = world_from_environment()
