@@ -639,14 +639,16 @@ class Engine:
             self._heard(src, load)
         prev, _state.current = _state.current, self  # what the value's pickle may need
         try:
-            if f._callbacks or f._state == FINISHED or len(b0) >= BIG_VALUE:
-                self._on_value(((a0, a1), None), True, memoryview(b0)[_VGET.size:], [])
-                return True
+            data = memoryview(b0)[_VGET.size:]
             # _on_value's commonest case, inline: a small value, one future
-            try:
-                value = _ploads(memoryview(b0)[_VGET.size:])
-            except Exception:
-                self._on_value(((a0, a1), None), True, memoryview(b0)[_VGET.size:], [])
+            slow = bool(f._callbacks) or f._state == FINISHED or len(b0) >= BIG_VALUE
+            if not slow:
+                try:
+                    value = _ploads(data)
+                except Exception:
+                    slow = True  # (_on_value says why)
+            if slow:
+                self._on_value(((a0, a1), None), True, data, [])
                 return True
         finally:
             _state.current = prev
@@ -977,18 +979,7 @@ class Engine:
             return self._from_user(self.wait_future, f, timeout)
         if timeout is not None:
             timeout = check_timeout(timeout)
-        if f._engine is self and not f._asked and f._state != FINISHED and not self.closed \
-                and not self.early and _get_ident() == self.thread:
-            # request_value's commonest case, inline: not asked yet, here
-            f._asked = True
-            site = f._site
-            if site is not None and site.strict < 8:
-                site.strict += 1
-            self.asked[f._fid] = f
-            if not f._eager or f._ready_remote:
-                self.forward(f, self.id, (f._fid, None))
-        else:
-            self.request_value(f)
+        self.request_value(f)
         if f._state == FINISHED:
             return
         if timeout is not None and not stamped:
@@ -1792,17 +1783,19 @@ class Engine:
                     dest = fid[0]
                     if dest == self.id:
                         self.send_value(dest, (fid, None), True, data, [])  # (see there)
-                    elif self.inbox or self.heirs or self.lost:  # send_value, inline
-                        self.send_frame(dest, [_VGET.pack(_V, True, dest, fid[1]) + data])
-                    else:  # and send_frame's commonest case too (the batch's last reply)
-                        try:
-                            n = self.transport.send(dest, [_VGET.pack(_V, True, dest, fid[1]) +
-                                                           data], self.active + self.base_load)
-                        except ConnectionError:
-                            pass  # peer_lost has been (or will be) called with the reason
-                        else:
-                            st.messages_sent += 1
-                            st.bytes_sent += n
+                    else:  # send_value, inline
+                        frame = [_VGET.pack(_V, True, dest, fid[1]) + data]
+                        if self.inbox or self.heirs or self.lost:
+                            self.send_frame(dest, frame)
+                        else:  # and send_frame's commonest case too (the batch's last reply)
+                            try:
+                                n = self.transport.send(dest, frame,
+                                                        self.active + self.base_load)
+                            except ConnectionError:
+                                pass  # peer_lost has been (or will be) called with the reason
+                            else:
+                                st.messages_sent += 1
+                                st.bytes_sent += n
                 if slot.subs or slot.released:
                     self._complete(fid, slot, True, data, bufs)
                 else:  # _complete, inline: nobody else asked, not released yet

@@ -272,7 +272,7 @@ class Future:
         if not self._callbacks:
             return
         callbacks, self._callbacks = self._callbacks, []
-        if callbacks and self._engine is not None and self._engine.undetached:
+        if self._engine is not None and self._engine.undetached:
             self._engine.kept_copies()  # user code runs: see Engine.kept_copies
         for fn in callbacks:
             try:

@@ -684,8 +684,7 @@ class Collection:
             >>> mf.run(main, contexts=2, transport="inproc")
             'ObjectDestroyed'
         """
-        current_engine_of(self._comp, "collection", self)
-        eng = current_engine()
+        eng = current_engine_of(self._comp, "collection", self)
         # (the elements of a context removed went with it: nothing to end there)
         gone = [destroy(h) for h in self._hosts if h._ctx not in eng.heirs]
         return _Combine.create(on=eng.id).all_done(gone)
