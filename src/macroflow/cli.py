@@ -608,10 +608,7 @@ def _rings_row() -> str:
         return f"off: {why}"
     if ring.COMPILED:
         return "compiled (macroflow.transport._cring)"
-    if os.environ.get("MACROFLOW_COMPILED", "").strip() == "0":
-        return "in Python (MACROFLOW_COMPILED=0)"
-    return ("in Python: macroflow.transport._cring was not built (no C compiler or Cython at "
-            "install; `pip install -v` shows why)")
+    return f"in Python ({ring.IN_PYTHON})"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

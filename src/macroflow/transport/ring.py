@@ -406,14 +406,14 @@ class _PyCore:
         self.bell[BELL] = self.ident + tail
 
 
-def _core() -> type:
+def _core() -> Tuple[type, Optional[str]]:
     """The base class of Ring: the compiled core where it was built and not
-    switched off (``MACROFLOW_COMPILED=0``), else _PyCore."""
+    switched off (``MACROFLOW_COMPILED=0``), else _PyCore and why."""
     how = os.environ.get("MACROFLOW_COMPILED", "").strip()
     if how not in ("", "0", "1"):
         raise ValueError(f"MACROFLOW_COMPILED must be 0 or 1, not {how!r}")
     if how == "0":
-        return _PyCore
+        return _PyCore, "MACROFLOW_COMPILED=0"
     try:
         from ._cring import Core
     except ImportError as e:
@@ -421,13 +421,15 @@ def _core() -> type:
             raise ImportError(f"MACROFLOW_COMPILED=1, but the rings' compiled core "
                               f"(macroflow.transport._cring) was not built here ({e}); "
                               f"`macroflow info` says why, or unset it") from e
-        return _PyCore
-    return Core
+        return _PyCore, ("macroflow.transport._cring was not built: no C compiler or Cython "
+                         "at install; `pip install -v` shows why")
+    return Core, None
 
 
-_Core = _core()
+_Core, IN_PYTHON = _core()
 #: Whether rings run the compiled core (macroflow.transport._cring).
-COMPILED = _Core is not _PyCore
+COMPILED = IN_PYTHON is None
+#: (IN_PYTHON: why they run the same steps in Python here, or None)
 
 
 class Ring(_Core):
