@@ -42,6 +42,7 @@ import signal
 import socket
 import ssl
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -547,6 +548,12 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
     for s in listeners:
         s.close()
     code = 0
+    if threading.current_thread() is threading.main_thread():
+        # the first Ctrl-C stops the contexts; one after it (a second, or the
+        # computation's own interrupt reaching the group) is ignored from the
+        # moment the first arrives: caught only in the handler below, it
+        # could land before that took it, and end the worker with -2
+        signal.signal(signal.SIGINT, _interrupted_once)
     try:
         while pids:
             pid, status = _wait_any()
@@ -566,6 +573,24 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
             print("macroflow worker: interrupted; its contexts were stopped", file=out)
         return 130
     return code
+
+
+def _interrupted_once(signum: int, frame: Any) -> None:
+    """A worker's SIGINT handler: KeyboardInterrupt, once (SIGINT ignored
+    from then on).
+
+    Example:
+        >>> previous = signal.signal(signal.SIGINT, _interrupted_once)
+        >>> try:
+        ...     os.kill(os.getpid(), signal.SIGINT); time.sleep(1)
+        ... except KeyboardInterrupt:
+        ...     print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+        ... finally:
+        ...     _ = signal.signal(signal.SIGINT, previous)
+        True
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 #: how long a context that failed stays a zombie before it is reaped: a
