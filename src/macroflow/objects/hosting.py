@@ -474,6 +474,25 @@ class ObjectHost(Model):
         if obj.state in _GONE and not obj.queued:
             self._forget_object(obj)
 
+    def _run_live(self, obj: HostedObject, call: Call) -> None:
+        # _run_object's commonest case: a method of a live object that was
+        # idle with nothing queued, one call deep
+        if obj.state != "live":  # (started from a method thread, it starts a step later)
+            self._run_object(obj, call)
+            return
+        g = getcurrent()
+        g.call = obj.running = call
+        self.eng._invoke(getattr(obj.instance, call.method, None), call)
+        g.call = obj.running = None
+        if obj.ready or obj.gready or obj.create is not None:
+            call = self._pick(obj)  # (queued while it ran)
+            if call is not None:
+                self._run_object(obj, call)
+                return
+        obj.busy = False
+        if obj.state in _GONE and not obj.queued:
+            self._forget_object(obj)
+
     def _execute_on_object(self, obj: HostedObject, call: Call) -> bool:
         # True: the constructor ran and released requests that started threads
         eng = self.eng
@@ -600,7 +619,8 @@ class ObjectCalls(_HostedKind):
         elif not obj.busy and not obj.queued and not call.missing and obj.state == "live" \
                 and call.method not in obj.guarded:
             obj.busy = True  # idle, nothing queued, no guard: run it now
-            self.eng.spawn(host._run_object, obj, call)
+            self.eng.spawn(host._run_live if call.method != DESTROY else host._run_object,
+                           obj, call)
             return
         elif not _enqueue(obj, call) and obj.state == "live":
             return  # in its caller's lane, behind a missing argument: nothing new may run
