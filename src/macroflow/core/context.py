@@ -2082,6 +2082,10 @@ class Engine:
                 # taken yet (a release served while a method computes passes
                 # the calls queued behind the method): kept for it, released
                 slot = slots[fid] = Slot()
+            if slot.state == FINISHED and not arcs and slot.alias is None \
+                    and not self.undetached:
+                del slots[fid]  # _maybe_drop's commonest case, inline: a value nobody else asks for
+                continue
             slot.released = True
             slot.expect = arcs
             if slot.state == FINISHED or slot.alias is not None:
