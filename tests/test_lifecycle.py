@@ -960,6 +960,83 @@ def test_a_forked_child_can_neither_use_nor_end_its_parents_computation(tmp_path
     assert "parent: [64, 81] ['running', 'running']" in out.stdout, out.stdout
 
 
+FORKED_IN_A_METHOD = """
+    import os, sys
+    import macroflow as mf
+
+    @mf.regular
+    class R:
+        def f(self, x):
+            return x * x
+
+    @mf.persistent
+    class S:
+        def __init__(self):
+            self.n = 0
+
+        def forker(self, how):
+            self.n += 1
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child, still in this method of context 1
+                os.close(r)
+                said = []
+                for name, fn in [("call", lambda: R.create(on=2).f(3).result(5)),
+                                 ("own", lambda: R.create(on=1).f(3).result(5)),
+                                 ("stats", lambda: mf.stats(timeout=5)),
+                                 ("id", mf.context_id)]:
+                    try:
+                        fn()
+                        said.append(name + " ran")
+                    except RuntimeError as e:
+                        said.append(name + ": " + str(e)[:27])
+                os.write(w, "|".join(said).encode())
+                os.close(w)
+                if how == "return":
+                    return "the child's value"
+                if how == "raise":
+                    raise ValueError("the child's error")
+                sys.exit(5)
+            os.close(w)
+            said = os.read(r, 65536).decode()
+            _, status = os.waitpid(pid, 0)
+            return how, os.waitstatus_to_exitcode(status), self.n, said
+
+    def main():
+        s = S.create(on=1)
+        for how in ("return", "raise", "exit"):
+            print(s.forker(how).result(60))
+        print("after:", mf.gather([R.create(on=c).f(c) for c in range(3)], timeout=30),
+              sorted(mf.stats(timeout=30)))
+
+    mf.run(main, contexts=3, transport=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp", "mpi"])
+def test_a_child_forked_in_a_method_neither_uses_its_context_nor_answers_for_it(
+        tmp_path, transport):
+    # A child forked in a method of context 1 ran as context 1: its calls
+    # were served (or broke context 0's rings: IndexError in the ring's
+    # read), its return answered the parent's call or lost the parent's
+    # reply, and its sys.exit(0) failed the parent's call
+    if transport == "mpi" and _mpi.available() is not None:
+        pytest.skip(str(_mpi.available()))
+    script = tmp_path / "forks_in_method.py"
+    script.write_text(textwrap.dedent(FORKED_IN_A_METHOD))
+    out = subprocess.run([sys.executable, str(script), transport], capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused = ("call: macroflow is not running in|own: macroflow is not running in|"
+               "stats: macroflow is not running in|id: macroflow is not running in")
+    lines = out.stdout.splitlines()
+    # the child's end is its own: its value or error goes nowhere, its exit status is its own
+    assert lines[:3] == [f"({how!r}, {code}, {n}, {refused!r})" for how, code, n in
+                         (("return", 0, 1), ("raise", 1, 2), ("exit", 5, 3))], out.stdout
+    assert lines[3] == "after: [0, 1, 4] [0, 1, 2]", out.stdout
+    assert "ValueError: the child's error" in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.timeout(60)
 def test_shutdown_from_another_thread_is_refused():
     # it ended main's computation (tcp, local: main's futures then stale),

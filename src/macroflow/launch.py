@@ -1423,13 +1423,22 @@ def _forked_child() -> None:
     sockets, rings and MPI), so the child neither uses it (every ``mf``
     call says why) nor ends it (its exit, or a ``with`` block it leaves,
     would stop the parent's contexts)."""
-    if not _sessions:
-        return
+    engines = []
     for s in _sessions:
         s.closed = True
+        every = getattr(s.launcher, "engines", None)  # (inproc: every context's is here)
+        engines.extend(every() if every is not None else [s.engine])
+    # a context's own process (a method forked it): its engine is the running one
+    st = _ctx._state
+    engines.extend((st.default, st.current, getattr(_ctx.getcurrent(), "engine", None)))
+    engines = list({id(e): e for e in engines if e is not None}.values())
+    if not engines:
+        return
     _sessions.clear()
-    _ctx._state.default = _ctx._state.current = None
-    _ctx._state.forked_from = os.getppid()
+    ppid = os.getppid()
+    _ctx.fork_away(engines, ppid)
+    st.default = st.current = None
+    st.forked_from = ppid
 
 
 os.register_at_fork(after_in_child=_forked_child)

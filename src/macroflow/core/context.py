@@ -4187,6 +4187,103 @@ class _State:
 _state = _State()
 
 
+def forked_text(ppid: int, usage: Optional[str] = None) -> str:
+    """What every use of a computation says in a child forked from a process
+    that runs it (``ppid``), with ``usage``, how a computation starts.
+
+    Example:
+        >>> forked_text(7)[:56]
+        'macroflow is not running in this process: it was forked '
+    """
+    return (f"macroflow is not running in this process: it was forked (os.fork, "
+            f"multiprocessing's fork) from process {ppid}, whose computation it cannot use; "
+            f"return values to the parent, or start a computation of its own: "
+            + (usage or "mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
+
+
+_PACKAGE_DIR = os.path.dirname(_CORE_DIR) + os.sep
+_SERVE_CODE = Engine.serve_forever.__code__
+
+
+class ForkedAway:
+    """The transport of an engine in a child forked (``os.fork``) while its
+    process ran the engine (in a method, say): the rings, sockets and MPI
+    are the parent's, so nothing here may touch them. A use from the child's
+    own code raises RuntimeError; once that code (a method, a handler) has
+    returned or raised into the engine, the child ends there, with its
+    status (``os._exit``: not the parent's exit handlers either).
+
+    Example:
+        >>> t = ForkedAway(7)
+        >>> try:
+        ...     t.send(1, [b"x"], 0)  # from here, this code: the child's own
+        ... except RuntimeError as e:
+        ...     print(str(e)[:31])
+        macroflow is not running in thi
+    """
+
+    def __init__(self, ppid: int) -> None:
+        self.ppid = ppid
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._use
+
+    def _use(self, *args: Any, **kwargs: Any) -> Any:
+        f = sys._getframe(1)
+        while f is not None:
+            code = f.f_code
+            if code is _SERVE_CODE:
+                break  # the engine's own loop, below which nothing is the child's
+            if code.co_name == "__del__":
+                return None  # a future dropped: the parent releases its own
+            if not code.co_filename.startswith(_PACKAGE_DIR):
+                raise RuntimeError(forked_text(self.ppid))
+            f = f.f_back
+        end_forked_child(sys.exc_info()[1])
+
+
+def end_forked_child(exc: Optional[BaseException]) -> None:
+    """End a child forked from a process that runs a computation, whose code
+    (a method that forked it) came back to the engine having raised ``exc``
+    (None: it returned): its status is that of a program that did so."""
+    code = 0
+    if isinstance(exc, SystemExit):
+        if isinstance(exc.code, int):
+            code = exc.code
+        elif exc.code is not None:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    elif exc is not None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass  # (closed by the child's code: nothing more to say)
+    os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def fork_away(engines: List[Any], ppid: int) -> None:
+    """In a child forked from process ``ppid``: every engine of it (one, or
+    inproc's all) gets a :class:`ForkedAway` transport, and nothing of the
+    parent's (its look at the rings, its pollers, its service thread) runs."""
+    for eng in engines:
+        eng.transport = ForkedAway(ppid)
+        eng.glance = None
+        eng.pollers = []
+        svc = eng.service
+        if svc is not None:
+            svc.stopped = True  # its thread, its timer are the parent's
+            if getattr(svc, "busy", False):
+                svc.busy = False
+    if engines:
+        # user code that raised into the engine (sys.exit in the child) ends the child
+        errors.forked_end = end_forked_child
+
+
 def wrong_thread(what: str, eng: Any) -> str:
     """The error for ``what`` done in a thread other than the one that runs
     context ``eng.id`` (one thread does, and its service thread while a
@@ -4220,16 +4317,14 @@ def current_engine(usage: Optional[str] = None) -> Engine:
     """
     g = getcurrent()
     eng = getattr(g, "engine", None)
-    if eng is None:
+    if eng is not None:
+        if type(eng.transport) is ForkedAway:  # (a child forked in a method of it)
+            raise RuntimeError(forked_text(eng.transport.ppid, usage))
+    else:
         eng = _state.current or _state.default
         if eng is None:
             if _state.forked_from is not None:
-                raise RuntimeError(
-                    f"macroflow is not running in this process: it was forked (os.fork, "
-                    f"multiprocessing's fork) from process {_state.forked_from}, whose "
-                    f"computation it cannot use; return values to the parent, or start a "
-                    f"computation of its own: " + (
-                        usage or "mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
+                raise RuntimeError(forked_text(_state.forked_from, usage))
             raise RuntimeError("macroflow is not running: " + (
                 usage or "use mf.run(main, contexts=N) or 'with mf.init(contexts=N):'"))
         me = threading.get_ident()

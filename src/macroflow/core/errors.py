@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import types
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 
 class MacroflowError(Exception):
@@ -280,6 +280,11 @@ class Terminated(SystemExit):
     """
 
 
+#: Set in a child forked while its process ran a computation (see
+#: core.context.fork_away): ends the child, whose user code raised.
+forked_end: Optional[Callable[[BaseException], None]] = None
+
+
 def exited(what: str, e: BaseException) -> BaseException:
     """What an exception raised by user code that a computation runs (a
     method, a constructor, a remote action's handler: ``what``) fails its
@@ -293,6 +298,8 @@ def exited(what: str, e: BaseException) -> BaseException:
         >>> exited("method Acc.add on context 1", KeyError("k"))
         KeyError('k')
     """
+    if forked_end is not None:
+        forked_end(e)  # in a child forked in user code: that code's end is the child's
     if not isinstance(e, SystemExit) or isinstance(e, Terminated):
         return e
     how = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
