@@ -283,7 +283,8 @@ def test_cli_run_says_what_is_wrong_with_a_script_in_its_own_words(tmp_path, sou
 @pytest.mark.parametrize("name, value, transport", [
     ("MACROFLOW_SPIN_US", "fast", "local"), ("MACROFLOW_SERVICE", "bogus", "local"),
     ("MACROFLOW_PIN", "bogus", "local"), ("MACROFLOW_PIN", "bogus", "mpi"),
-    ("MACROFLOW_RINGS", "2", "tcp"), ("MACROFLOW_MPI_INIT_WARN_S", "abc", "mpi")])
+    ("MACROFLOW_RINGS", "2", "tcp"), ("MACROFLOW_MPI_INIT_WARN_S", "abc", "mpi"),
+    ("MACROFLOW_COMPILED", "2", "local")])
 def test_cli_run_bad_environment_is_a_usage_error(tmp_path, name, value, transport):
     # (a bad MACROFLOW_SERVICE printed a traceback; a bad MACROFLOW_PIN ran on
     # mpi, which does not pin, and MACROFLOW_MPI_INIT_WARN_S=abc was taken as 30)

@@ -959,7 +959,16 @@ def test_the_pure_python_core_runs_a_computation_and_a_bad_setting_is_named(tmp_
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                        timeout=100)
     assert p.returncode != 0
-    assert "MACROFLOW_COMPILED must be 0 or 1, not 'yes'" in p.stderr
+    assert ("ValueError: the MACROFLOW_COMPILED environment variable must be 0 (the rings' "
+            "steps in Python) or 1 (compiled, which must have been built); got 'yes'") \
+        in p.stderr, p.stderr
+    assert "Traceback" in p.stderr and "import macroflow" not in p.stderr  # (refused at start)
+    # importing is not starting: `macroflow info` (and a program's imports) say it, not fail
+    p = subprocess.run([sys.executable, "-m", "macroflow", "info"], capture_output=True,
+                       text=True, env=env, timeout=100)
+    assert p.returncode == 0, p.stderr
+    assert "rings        refused at start: the MACROFLOW_COMPILED environment variable" \
+        in p.stdout, p.stdout
 
 
 @pytest.mark.timeout(180)
@@ -1018,10 +1027,11 @@ def test_requiring_the_compiled_core_where_it_was_not_built_says_so(tmp_path):
     copy = tmp_path / "src"
     shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     env = dict(os.environ, PYTHONPATH=str(copy), MACROFLOW_COMPILED="1")
-    p = subprocess.run([sys.executable, "-c", "import macroflow.transport.ring"],
+    p = subprocess.run([sys.executable, "-c", "import macroflow as mf; "
+                        "mf.run(print, contexts=1, transport='inproc')"],
                        capture_output=True, text=True, env=env, timeout=100)
     assert p.returncode != 0
-    assert ("ImportError: MACROFLOW_COMPILED=1, but the rings' compiled core "
+    assert ("ValueError: MACROFLOW_COMPILED=1, but the rings' compiled core "
             "(macroflow.transport._cring) was not built here") in p.stderr, p.stderr
     env.pop("MACROFLOW_COMPILED")
     p = subprocess.run([sys.executable, "-c", "import macroflow.transport.ring as r; "

@@ -599,10 +599,12 @@ def _rings_row() -> str:
     """What ``macroflow info`` says of the rings' common steps: compiled or not, and why.
 
     Example:
-        >>> _rings_row().split(" ")[0] in ("compiled", "in", "off:")
+        >>> _rings_row().split(" ")[0] in ("compiled", "in", "off:", "refused")
         True
     """
     from macroflow.transport import ring
+    if ring.SETTING_ERROR is not None:
+        return f"refused at start: {ring.SETTING_ERROR}"
     why = ring.problem()
     if why is not None:
         return f"off: {why}"

@@ -126,7 +126,7 @@ def check_settings(module: Any) -> None:
     every transport alike (a transport that does not read one would
     otherwise take it, another refuse it only later): the service
     mechanism's, pinning's, the rings', and the transport ``module``'s own
-    (its ``check_settings``, if it has one).
+    (its ``check_settings``, if it has one), and MACROFLOW_COMPILED.
 
     Example:
         >>> import os
@@ -143,6 +143,9 @@ def check_settings(module: Any) -> None:
     service_setting()
     pin_setting()
     rings_setting()
+    from .transport import ring
+    if ring.SETTING_ERROR is not None:
+        raise ValueError(ring.SETTING_ERROR)
     own = getattr(module, "check_settings", None)
     if own is not None:
         own()

@@ -406,27 +406,32 @@ class _PyCore:
         self.bell[BELL] = self.ident + tail
 
 
-def _core() -> Tuple[type, Optional[str]]:
+def _core() -> Tuple[type, Optional[str], Optional[str]]:
     """The base class of Ring: the compiled core where it was built and not
-    switched off (``MACROFLOW_COMPILED=0``), else _PyCore and why."""
+    switched off (``MACROFLOW_COMPILED=0``), else _PyCore and why; and what
+    is wrong with the setting, if anything (refused as a computation starts,
+    by ``launch.check_settings``, not at import: ``macroflow info`` says it)."""
     how = os.environ.get("MACROFLOW_COMPILED", "").strip()
-    if how not in ("", "0", "1"):
-        raise ValueError(f"MACROFLOW_COMPILED must be 0 or 1, not {how!r}")
     if how == "0":
-        return _PyCore, "MACROFLOW_COMPILED=0"
+        return _PyCore, "MACROFLOW_COMPILED=0", None
+    bad = None
+    if how not in ("", "1"):
+        bad = (f"the MACROFLOW_COMPILED environment variable must be 0 (the rings' steps "
+               f"in Python) or 1 (compiled, which must have been built); got {how!r}")
     try:
         from ._cring import Core
     except ImportError as e:
         if how == "1":
-            raise ImportError(f"MACROFLOW_COMPILED=1, but the rings' compiled core "
-                              f"(macroflow.transport._cring) was not built here ({e}); "
-                              f"`macroflow info` says why, or unset it") from e
+            bad = (f"MACROFLOW_COMPILED=1, but the rings' compiled core "
+                   f"(macroflow.transport._cring) was not built here ({e}); "
+                   f"`macroflow info` says why, or unset it")
         return _PyCore, ("macroflow.transport._cring was not built: no C compiler or Cython "
-                         "at install; `pip install -v` shows why")
-    return Core, None
+                         "at install; `pip install -v` shows why"), bad
+    return Core, None, bad
 
 
-_Core, IN_PYTHON = _core()
+_Core, IN_PYTHON, SETTING_ERROR = _core()
+#: What is wrong with ``MACROFLOW_COMPILED``, or None: every start refuses it.
 #: Whether rings run the compiled core (macroflow.transport._cring).
 COMPILED = IN_PYTHON is None
 #: (IN_PYTHON: why they run the same steps in Python here, or None)
