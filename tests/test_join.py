@@ -120,13 +120,13 @@ def test_a_worker_that_dies_fails_exactly_what_depended_on_it():
         # a worker's context of this host: its process and how it ended are
         # named (it said "connection closed", as for one of another host;
         # then "has ended" when its worker had reaped it already)
-        assert f"its process (pid {pid}) killed by signal SIGKILL" in str(err.value), \
+        assert f"its process (pid {pid}) was killed by signal SIGKILL" in str(err.value), \
             str(err.value)
         assert survivor.here().result()[0] == 1  # the computation goes on
         assert {Where.create().here().result()[0] for _ in range(4)} == {1}
         assert [c.state for c in mf.contexts()] == ["running", "running", "lost"]
     code, err_text = finish(w)
-    assert code == 1 and "context 2 killed by signal SIGKILL" in err_text
+    assert code == 1 and "context 2 was killed by signal SIGKILL" in err_text
 
 
 @mf.persistent

@@ -1248,7 +1248,7 @@ def test_a_spawned_rank_that_dies_fails_the_futures_of_every_rank_mpi_ends_then(
     # (killed both, or how the first ended not read: which died first cannot
     # be told, and each says so)
     assert f"(pid {pids[1]}) was ended by MPI after context 1's died" in other[3] or \
-        re.search(rf"\(pid {pids[1]}\) (was killed by signal SIGKILL|{UNREAD}); context 1's "
+        re.search(rf"\(pid {pids[1]}\) (was killed by signal SIGKILL|{UNREAD}); context 1 "
                   rf"ended at the same moment: one died first, and MPI's process manager ended "
                   rf"the others", other[3]), other[3]
     assert lines[3] == "states running lost lost 0"  # mf.stats leaves the lost ones out

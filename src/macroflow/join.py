@@ -54,6 +54,7 @@ from .core.threads import fork
 from .launch import ForkLauncher, node_name
 from .transport.local import LocalTransport, Mesh
 from .transport.multi import GUEST_BASE, MultiTransport
+from .transport.base import describe_status
 
 #: seconds a worker waits for context 0 to answer its request to join
 JOIN_WAIT = 30.0
@@ -562,8 +563,9 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                 code = 1
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _LOST_MAIN:
                     continue  # it said why
-                print(f"macroflow worker: context {ctx} {_launch.describe_status(status)}",
-                      file=out, flush=True)
+                how = describe_status(status)
+                was = "was " if os.WIFSIGNALED(status) else ""
+                print(f"macroflow worker: context {ctx} {was}{how}", file=out, flush=True)
     except KeyboardInterrupt:
         # (a second Ctrl-C, or the computation's own interrupt reaching the
         # group, must not cut the stopping short: it left a traceback)

@@ -42,7 +42,7 @@ from .core.future import forget_learned
 from .core.placement import Placement
 from .core.threads import fork
 from . import forkserver
-from .transport.base import REGISTRY, describe_status
+from .transport.base import REGISTRY, process_fate
 
 DEFAULT_SPIN_US = 50.0
 
@@ -616,7 +616,7 @@ class ForkLauncher(Launcher):
                 pid = self.server.pids[peer]
                 if status is None:
                     return f"connection closed (pid {pid} still running)"
-                return f"its process (pid {pid}) {describe_status(status)}"
+                return process_fate(pid, status)
             return self._joined_fate(peer)
         deadline = time.monotonic() + 1.0
         while True:  # the socket closes an instant before the process can be reaped
@@ -626,7 +626,7 @@ class ForkLauncher(Launcher):
                 return "connection closed"
             if r:
                 self.reaped[peer] = status
-                return f"its process (pid {pid}) {describe_status(status)}"
+                return process_fate(pid, status)
             if time.monotonic() > deadline:
                 return f"connection closed (pid {pid} still running)"
             time.sleep(0.001)

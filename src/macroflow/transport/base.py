@@ -157,3 +157,17 @@ def describe_status(status: int) -> str:
     if os.WIFEXITED(status):
         return f"exited with code {os.WEXITSTATUS(status)}"
     return f"ended with status {status}"
+
+
+def process_fate(pid: int, status: int) -> str:
+    """Say how process ``pid`` ended, as a context's loss gives it (a clause
+    of its own), from a ``waitpid`` status.
+
+    Example:
+        >>> process_fate(42, 9)
+        'its process (pid 42) was killed by signal SIGKILL'
+        >>> process_fate(42, 256)
+        'its process (pid 42) exited with code 1'
+    """
+    how = describe_status(status)
+    return f"its process (pid {pid}) {'was ' if os.WIFSIGNALED(status) else ''}{how}"

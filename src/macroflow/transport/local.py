@@ -306,7 +306,7 @@ def _process_fate(pid: int, wait: float = 0.1) -> Optional[str]:
         >>> _process_fate(p.pid) == f"its process (pid {p.pid}) has ended"
         True
     """
-    from .base import describe_status
+    from .base import process_fate
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -315,7 +315,7 @@ def _process_fate(pid: int, wait: float = 0.1) -> Optional[str]:
         except (OSError, IndexError):
             return f"its process (pid {pid}) has ended"
         if fields[0] == b"Z" and len(fields) >= 50:
-            return f"its process (pid {pid}) {describe_status(int(fields[49]))}"  # exit_code
+            return process_fate(pid, int(fields[49]))  # exit_code
         # a process closes its files before it is a zombie: its connection
         # may read as closed a moment before /proc says how it ended
         if time.monotonic() >= deadline:

@@ -3057,7 +3057,7 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
 
     def _on_death(self, pid: int, status: Optional[int]) -> None:
         # (the watcher's thread)
-        from .base import describe_status
+        from .base import process_fate
         eng = self.engine
         ctx = next((c for c, (h, p) in self.hosts.items() if p == pid and _local(h)), None)
         if eng is None or ctx is None:
@@ -3070,15 +3070,13 @@ class MpiLauncher(_launcher_base()):  # type: ignore[misc]
                           and c != ctx)
         if first is None or together:
             if status is None:
-                how = "ended while the computation ran (killed, or os._exit)"
-            elif os.WIFSIGNALED(status):
-                how = f"was {describe_status(status)}"
+                how = f"its process (pid {pid}) ended while the computation ran (killed, or " \
+                      f"os._exit)"
             else:
-                how = describe_status(status)
-            how = f"its process (pid {pid}) {how}"
+                how = process_fate(pid, status)
             if together:
                 others = ", ".join(str(c) for c in together)
-                whose = f"context {others}'s" if len(together) == 1 else f"contexts {others}'"
+                whose = f"context {others}" if len(together) == 1 else f"contexts {others}"
                 how += (f"; {whose} ended at the same moment: one died first, and MPI's process "
                         f"manager ended the others (it ends every spawned rank when one "
                         f"dies); which one died first is not known")
