@@ -161,6 +161,15 @@ def test_placement_numbers_must_be_ints(arg, value):
         Placement(**{arg: value})
 
 
+@pytest.mark.parametrize("seed", [[1], (1,), {1: 2}, object()])
+def test_a_seed_random_cannot_take_is_refused_naming_it(seed):
+    # (random's own message named neither the placement nor its seed)
+    with pytest.raises(TypeError, match=f"placement seed must be an int .*not "
+                                        f"{type(seed).__name__}; got"):
+        Placement("random", seed=seed)
+    assert Placement("random", seed="abc").seed == "abc"  # what random takes, it takes
+
+
 @mf.regular
 class Sleeper:
     def ctx(self, s):

@@ -92,6 +92,9 @@ class Placement:
     def __init__(self, policy: str = "round-robin", threshold: int = 2,
                  transfer_limit: int = 1, seed: Optional[int] = None):
         _check(policy, threshold, transfer_limit)
+        if seed is not None and type(seed) not in (int, float, str, bytes, bytearray):
+            raise TypeError(f"placement seed must be an int (or a float, str or bytes), not "
+                            f"{type(seed).__name__}; got {seed!r}")
         self.policy = policy
         self.threshold = threshold
         self.transfer_limit = transfer_limit
