@@ -108,6 +108,7 @@ def test_init_that_raises_is_reported_with_its_traceback_and_that_context_is_not
     text, states, more, places = run(main, contexts=2)
     assert "init of new context 2 raised" in text
     assert "ValueError: no room on 2" in text and "Traceback" in text
+    assert "launch.py" not in text and "failing_init" in text, text  # init's frames, not ours
     assert states == [(0, "running"), (1, "running"), (2, "failed")]
     assert more == [3]
     assert places == {1, 3}

@@ -840,6 +840,7 @@ def test_a_done_callback_that_calls_sys_exit_is_said_and_its_context_serves_on(r
     assert run(main, contexts=2) == [(9, 16), (9, 16)]
     err = capfd.readouterr().err
     assert err.count("raised (ignored):") == 2 and err.count("SystemExit: 3") == 2, err
+    assert "future.py" not in err and "<lambda>" in err, err  # the callback's frames, not ours
 
 
 def test_a_done_callback_that_is_not_callable_is_refused_where_it_is_added(run):

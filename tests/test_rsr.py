@@ -173,6 +173,32 @@ def test_inline_handler_cannot_wait(run):
     assert "thread='new'" in got[0]
 
 
+def _wait_inline_uncaught(box, ref):
+    ref[0].result()
+
+
+def test_an_inline_handler_that_waits_is_reported_from_its_own_frames(run, capfd):
+    # (the report went on into the runtime's frames under result())
+    # (on context 0, whose stderr is this process's: a rank's reaches it
+    # through MPI's process manager, later)
+    def main():
+        box, other = Mailbox.create(on=0), Mailbox.create(on=1)
+        f = other.when_two()  # pending until the end
+        mf.rsr(mf.info(box).gptr, _wait_inline_uncaught, Wrap(f))
+        mf.rsr(mf.info(box).gptr, deposit, "a")
+        mf.rsr(mf.info(box).gptr, deposit, "b")
+        got = [x for x, _ in box.when_two().result(30)]
+        for x in "cd":
+            mf.rsr(mf.info(other).gptr, deposit, x)
+        return got, len(f.result(30))
+
+    assert run(main, contexts=2) == (["a", "b"], 2)
+    err = capfd.readouterr().err
+    assert "_wait_inline_uncaught raised:" in err and "ref[0].result()" in err, err
+    assert "DeadlockError: a remote service request handler run inline" in err, err
+    assert "future.py" not in err and "context.py" not in err, err
+
+
 @mf.persistent
 class Recorder:
     def __init__(self):

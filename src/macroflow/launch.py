@@ -31,10 +31,10 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .core import context as _ctx
+from .core import errors
 from .core import marshal
 from .core.context import JOINED, MEMBERS, SHUTDOWN, Engine
 from .core.errors import LimitError
@@ -1133,7 +1133,7 @@ def joined(eng: Engine, get_init: Callable[[], Any], in_main: bool = False) -> b
     except BaseException as e:
         if in_main and isinstance(e, KeyboardInterrupt):
             raise
-        error = traceback.format_exc()
+        error = errors.format_user(e)  # (init's frames, not ours)
     addresses = getattr(eng.transport, "addresses", None)
     protocols = addresses() if addresses is not None else (eng.transport.address(),)
     info = ContextInfo(eng.id, node_name(), os.getpid(), tuple(protocols),

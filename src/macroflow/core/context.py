@@ -2429,9 +2429,7 @@ class Engine:
         # from the handler's frames on
         print(f"macroflow: context {self.id}: remote service request handler "
               f"{handler_label(handler)} raised:", file=sys.stderr)
-        e = sys.exc_info()[1]
-        traceback.print_exception(type(e), e, _from_user_frames(e.__traceback__),
-                                  file=sys.stderr)
+        print(errors.format_user(sys.exc_info()[1]), end="", file=sys.stderr)
 
     def _rsr_dropped(self, gid, handler,
                      why: str = "nothing is there (unexported, or its object destroyed)") -> None:

@@ -343,6 +343,26 @@ def user_traceback(tb: Optional[types.TracebackType]) -> Tuple[Optional[types.Tr
     return new, len(frames) - len(keep)
 
 
+def format_user(e: BaseException) -> str:
+    """``e`` and its traceback as Python prints them, without the frames of
+    macroflow's own code (as :func:`excepthook` prints an uncaught error;
+    ``MACROFLOW_TRACEBACK=full`` keeps them): what a report of an error in
+    user code that macroflow ran (a callback, a handler, an init) shows.
+
+    Example:
+        >>> try:
+        ...     int("x")
+        ... except ValueError as e:
+        ...     print(format_user(e).splitlines()[-1])
+        ValueError: invalid literal for int() with base 10: 'x'
+    """
+    import traceback
+    tb = e.__traceback__
+    if os.environ.get("MACROFLOW_TRACEBACK", "").strip().lower() != "full":
+        tb, _ = user_traceback(tb)
+    return "".join(traceback.format_exception(type(e), e, tb))
+
+
 def excepthook(etype: type, value: BaseException, tb: Optional[types.TracebackType]) -> None:
     """``sys.excepthook`` while macroflow is imported (if nothing else replaced
     Python's): an uncaught error is printed without the frames of macroflow's

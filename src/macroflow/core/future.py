@@ -553,12 +553,11 @@ POLL_S = 0.001  # inproc has no descriptor to watch: idle engines are polled thi
 def _callback_failed(f: Future, fn: Any) -> None:
     """Say on stderr which done callback of which future raised, where, and
     the traceback; the engine goes on (a callback's bug must not stop it)."""
-    import traceback
     eng = f._engine
     where = "" if eng is None else f" on context {eng.id}"
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     print(f"macroflow: done callback {name} of {f!r}{where} raised (ignored):\n"
-          f"{traceback.format_exc()}", end="", file=sys.stderr)
+          f"{errors.format_user(sys.exc_info()[1])}", end="", file=sys.stderr)
 
 
 async def _wait_async(f: Future) -> Any:
