@@ -4239,10 +4239,10 @@ class ForkedAway:
             if not code.co_filename.startswith(_PACKAGE_DIR):
                 raise RuntimeError(forked_text(self.ppid))
             f = f.f_back
-        end_forked_child(sys.exc_info()[1])
+        _end_forked_child(sys.exc_info()[1])
 
 
-def end_forked_child(exc: Optional[BaseException]) -> None:
+def _end_forked_child(exc: Optional[BaseException]) -> None:
     """End a child forked from a process that runs a computation, whose code
     (a method that forked it) came back to the engine having raised ``exc``
     (None: it returned): its status is that of a program that did so."""
@@ -4261,13 +4261,26 @@ def end_forked_child(exc: Optional[BaseException]) -> None:
             stream.flush()
         except Exception:
             pass  # (closed by the child's code: nothing more to say)
-    os._exit(code & 0xFF if code >= 0 else 1)
+    os._exit(code & 0xFF)  # (as an exit status: sys.exit(-1) is 255)
 
 
 def fork_away(engines: List[Any], ppid: int) -> None:
     """In a child forked from process ``ppid``: every engine of it (one, or
     inproc's all) gets a :class:`ForkedAway` transport, and nothing of the
-    parent's (its look at the rings, its pollers, its service thread) runs."""
+    parent's (its look at the rings, its pollers, its service thread) runs.
+
+    Example:
+        >>> class Eng:  # what fork_away touches of an engine
+        ...     transport = glance = service = None
+        ...     pollers = [print]
+        >>> pid = os.fork()
+        >>> if pid == 0:  # the child: ends here, saying what it found
+        ...     e = Eng()
+        ...     fork_away([e], os.getppid())
+        ...     os._exit(10 + (type(e.transport) is ForkedAway and not e.pollers))
+        >>> os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        11
+    """
     for eng in engines:
         eng.transport = ForkedAway(ppid)
         eng.glance = None
@@ -4279,7 +4292,7 @@ def fork_away(engines: List[Any], ppid: int) -> None:
                 svc.busy = False
     if engines:
         # user code that raised into the engine (sys.exit in the child) ends the child
-        errors.forked_end = end_forked_child
+        errors.forked_end = _end_forked_child
 
 
 def wrong_thread(what: str, eng: Any) -> str:
