@@ -1527,6 +1527,10 @@ def test_on_inproc_a_collective_complete_when_its_context_runs_again_returns_pas
         return "complete"
 
     assert mf.spmd(late_then_barrier, 0.2, n=2, transport="inproc") == ["complete"] * 2
+    # of three, the tree's messages are still to be read when the others run
+    # again: every context has arrived, so it completes (it said the tree's
+    # messages were late, and named nobody)
+    assert mf.spmd(late_then_barrier, 0.2, n=3, transport="inproc") == ["complete"] * 3
 
 
 def an_op_fails_on_context_0():

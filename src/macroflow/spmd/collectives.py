@@ -24,7 +24,7 @@ import sys
 import time
 import zlib
 from threading import get_ident
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 
 from ..core import errors
@@ -640,7 +640,16 @@ def _wait(c: Collective, timeout: Optional[float]) -> Any:
             if f.done():
                 return f.result()
         if left is not None and left <= check:
-            raise _timed_out(c, timeout)  # type: ignore[arg-type]
+            late = _late(c)
+            if not late[0]:
+                # every context has arrived: the tree's messages are on their
+                # way (on inproc, behind a context that held the one thread),
+                # and the collective completes unless something is wrong
+                try:
+                    return f.result(STATUS_WAIT)
+                except errors.TimeoutError:
+                    pass
+            raise _timed_out(c, timeout, late)  # type: ignore[arg-type]
         err = _mismatch(c)
         if err is not None:
             engine_side(c.model.eng, _give_up, c, err, "did not match another context's")
@@ -700,9 +709,9 @@ def _check_timeout(timeout: Any, name: str) -> None:
                          f"got {timeout!r}")
 
 
-def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
-    """Ask every other context how far it got; name those that did not arrive."""
-    eng = c.model.eng
+def _late(c: Collective) -> Tuple[List[int], List[str]]:
+    """Ask every other context how far it got: those that did not arrive at
+    ``c``, and a line for each saying how far."""
     run = c.run
     _ask(c)
     missing, lines = [], []
@@ -716,12 +725,21 @@ def _timed_out(c: Collective, timeout: float) -> errors.CollectiveError:
         elif got[0] <= c.seq:
             missing.append(r)
             lines.append(f"context {r}: has entered {got[0]} collective(s), {got[1]}")
+    return missing, lines
+
+
+def _timed_out(c: Collective, timeout: float,
+               late: Tuple[List[int], List[str]]) -> errors.CollectiveError:
+    """The error of ``c`` not complete after ``timeout``, naming the contexts
+    ``late`` (see _late) says did not arrive; ``c`` fails with it."""
+    missing, lines = late
     err = errors.CollectiveError(
         f"{c.name} (collective #{c.seq + 1} of the run) not complete after {timeout:g} s; "
         + (f"contexts that did not arrive: {missing}\n  " + "\n  ".join(lines) if missing
-           else "every context has arrived; the tree's messages are late"),
+           else f"every context has arrived, and {STATUS_WAIT:g} s later the tree's messages "
+                f"have not"),
         missing=missing)
-    engine_side(eng, _give_up, c, err)
+    engine_side(c.model.eng, _give_up, c, err)
     return err
 
 
