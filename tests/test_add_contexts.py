@@ -203,11 +203,27 @@ class Adder:
 
 def test_only_main_can_add_contexts(run):
     def main():
-        with pytest.raises(RuntimeError, match="inside a method"):
+        with pytest.raises(RuntimeError, match=r"mf.add_contexts\(\) was called inside "
+                                               r"method Adder.add on context 1: only the"):
             Adder.create(on=1).add().result()
         return mf.num_contexts()
 
     assert run(main, contexts=2) == 2
+
+
+def _adds_on_rank_0():
+    if mf.rank() == 0:
+        try:
+            mf.add_contexts(1)
+        except RuntimeError as e:
+            return str(e)
+
+
+def test_an_spmd_function_cannot_add_contexts_and_is_named_for_what_it_is(run):
+    # (it was told it "was called inside a method")
+    said = run(lambda: mf.spmd(_adds_on_rank_0, n=2), contexts=2)[0]
+    assert said.startswith("mf.add_contexts() was called inside SPMD function _adds_on_rank_0 "
+                           "on context 0: only the program that started"), said
 
 
 def test_no_computation_no_contexts():

@@ -500,7 +500,7 @@ class Ender:
 
 def test_shutdown_is_refused_inside_a_method_and_inside_main_of_run(run):
     def main():
-        with pytest.raises(RuntimeError, match="inside a method"):
+        with pytest.raises(RuntimeError, match="inside method Ender.end on context 1: code"):
             Ender.create(on=1).end().result(timeout=10)
         with pytest.raises(RuntimeError, match="inside the main function of mf.run"):
             mf.shutdown()
@@ -1399,7 +1399,9 @@ def test_starting_a_computation_inside_a_method_says_a_method_cannot(run):
                 out.append(str(e.value).split(":")[0])
         return out
 
-    assert run(main, contexts=2) == ["mf.run()/mf.init() was called inside a method"] * 4
+    assert run(main, contexts=2) == [
+        f"mf.run()/mf.init() was called inside method Starter.{m} on context {on}"
+        for on in (0, 1) for m in ("nested_run", "nested_init")]
 
 
 UNCAUGHT = r"""

@@ -183,7 +183,7 @@ def test_removing_twice_is_refused(run):
 
 def test_only_main_can_remove_contexts(run):
     def main():
-        with pytest.raises(RuntimeError, match="inside a method"):
+        with pytest.raises(RuntimeError, match="inside method Remover.remove on context 1: "):
             Remover.create(on=1).remove().result()
         return mf.num_contexts()
 

@@ -751,9 +751,11 @@ def _check_thread(eng: Engine, what: str) -> None:
 
 def _main_session(what: str) -> "Session":
     from .core.threads import Worker, getcurrent
-    if isinstance(getcurrent(), Worker):
-        raise RuntimeError(f"{what} was called inside a method: only the program that started "
-                           f"the computation (context 0's main) can do that")
+    g = getcurrent()
+    if isinstance(g, Worker):
+        raise RuntimeError(f"{what} was called inside {g.engine.running(g.call)}: only the "
+                           f"program that started the computation (context 0's main) can do "
+                           f"that")
     eng = _ctx._state.default
     cur = _ctx._state.current
     if cur is not None and eng is not None and cur is not eng:
@@ -1301,10 +1303,11 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
     """
     if _ctx._state.default is not None:
         from .core.threads import Worker, getcurrent
-        if isinstance(getcurrent(), Worker):
-            raise RuntimeError("mf.run()/mf.init() was called inside a method: a method runs "
-                               "in a computation and cannot start another; make the calls "
-                               "it needs on objects of this one")
+        g = getcurrent()
+        if isinstance(g, Worker):
+            raise RuntimeError(f"mf.run()/mf.init() was called inside "
+                               f"{g.engine.running(g.call)}: code that a computation runs "
+                               f"cannot start another; make the calls it needs in this one")
         if any(s.in_run for s in _sessions):  # (where mf.shutdown() is refused)
             raise RuntimeError("a macroflow computation is already running in this process: "
                                "this is the main function of mf.run(), which runs in it; use "
@@ -1392,10 +1395,11 @@ def shutdown() -> None:
         >>> mf.shutdown()   # nothing running: does nothing
     """
     from .core.threads import Worker, getcurrent
-    if isinstance(getcurrent(), Worker):
-        raise RuntimeError("mf.shutdown() was called inside a method: a method cannot end the "
-                           "computation it runs in; return, and let the program that started "
-                           "it end it")
+    g = getcurrent()
+    if isinstance(g, Worker):
+        raise RuntimeError(f"mf.shutdown() was called inside {g.engine.running(g.call)}: code "
+                           f"that a computation runs cannot end it; return, and let the "
+                           f"program that started it end it")
     for s in list(_sessions):
         if s.in_run and not _exiting:
             raise RuntimeError("mf.shutdown() was called inside the main function of mf.run(): "

@@ -2781,6 +2781,22 @@ class Engine:
         kind = self.call_kinds.get(call.kind)
         return kind.label(call) if kind is not None else str(call.method)
 
+    def running(self, call: Optional[Call]) -> str:
+        """What user code ``call`` runs, for an error saying where something
+        was done ("method Counter.add on context 1").
+
+        Example:
+            >>> import macroflow as mf
+            >>> with mf.init(contexts=1, transport="inproc"):
+            ...     current_engine().running(None)
+            'a method on context 0'
+        """
+        if call is None:
+            return f"a method on context {self.id}"
+        kind = self.call_kinds.get(call.kind)
+        runs = getattr(kind, "runs", "method")
+        return f"{runs + ' ' if runs else ''}{self._call_label(call)} on context {self.id}"
+
     def _cycle(self, init, path: list) -> None:
         # Every waiter of a cycle probes, and every probe that comes back finds
         # the same cycle: only the waiter with the highest id fails, so exactly
@@ -3248,6 +3264,9 @@ class CallKind:
     #: an error of its own; else the engine does (see errors.exited), so that
     #: the exit fails the call, not the caller's program
     keeps_exit = False
+    #: what its :meth:`label` names, for errors that say where user code
+    #: ran ("was called inside method Counter.add"); "" if the label says it
+    runs = "method"
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

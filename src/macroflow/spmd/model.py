@@ -321,6 +321,7 @@ class SpmdCalls(CallKind):
 
     yields_on_poll = True
     keeps_exit = True  # mf.spmd names the context whose function exited (program._exited)
+    runs = ""  # (its labels say it: "SPMD function f", "remote action h")
 
     def __init__(self, eng: Engine, model: "SpmdModel"):
         super().__init__(eng)
