@@ -253,6 +253,7 @@ class Session:
                 e.closed = True
                 if e.service is not None:
                     e.service.stop()
+                e.pool.close()
             if eng is not None and eng.transport is not None:
                 eng.transport.close()
             if _ctx._state.default is eng:
