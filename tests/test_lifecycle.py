@@ -1052,6 +1052,43 @@ def test_shutdown_from_another_thread_is_refused():
     assert "mf.shutdown() was called from a thread other than" in errors[0], errors
 
 
+@pytest.mark.timeout(60)
+def test_closing_a_computation_from_another_thread_is_refused_and_main_goes_on():
+    # close() itself was accepted: main's wait then failed with "I/O
+    # operation on closed epoll object", or waited for ever
+    import threading
+    errors = []
+    with mf.init(contexts=2, transport="local") as session:
+        f = Work.create(on=1).echo(7)
+        t = threading.Thread(target=lambda: errors.append(_raised(session.close)))
+        t.start()
+        t.join(30)
+        assert f.result(30) == 7 and Work.create(on=1).echo(8).result(30) == 8
+    assert "close() of a computation was called from a thread other than" in errors[0], errors
+
+
+@pytest.mark.timeout(60)
+def test_another_thread_under_run_is_told_it_is_another_thread():
+    # it was told it was "inside the main function of mf.run()"
+    import threading
+
+    def main():
+        said = []
+
+        def other():
+            said.append(_raised(mf.shutdown))
+            said.append(_raised(lambda: mf.init(contexts=1, transport="inproc")))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        return said
+
+    said = mf.run(main, contexts=2, transport="local")
+    assert said[0].startswith("mf.shutdown() was called from a thread other than"), said
+    assert "started by another thread" in said[1], said
+
+
 def _raised(fn):
     try:
         fn()

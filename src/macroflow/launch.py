@@ -228,6 +228,11 @@ class Session:
         """
         if self.closed:
             return
+        if self.engine is not None and not _exiting:
+            # (its engine is that thread's: from another, close() tore the
+            # computation down under a wait there, which then failed with an
+            # internal error or waited for ever)
+            _check_thread(self.engine, "close() of a computation")
         self.closed = True
         eng = self.engine
         interrupted = False
@@ -1309,6 +1314,11 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
             raise RuntimeError(f"mf.run()/mf.init() was called inside "
                                f"{g.engine.running(g.call)}: code that a computation runs "
                                f"cannot start another; make the calls it needs in this one")
+        if threading.get_ident() != _ctx._state.default.thread:
+            raise RuntimeError("a macroflow computation is already running in this process, "
+                               "started by another thread; one process runs one computation "
+                               "at a time: use it from that thread, or start this one after "
+                               "it ends")
         if any(s.in_run for s in _sessions):  # (where mf.shutdown() is refused)
             raise RuntimeError("a macroflow computation is already running in this process: "
                                "this is the main function of mf.run(), which runs in it; use "
@@ -1402,11 +1412,11 @@ def shutdown() -> None:
                            f"that a computation runs cannot end it; return, and let the "
                            f"program that started it end it")
     for s in list(_sessions):
+        if s.engine is not None and not _exiting and not s.closed:
+            _check_thread(s.engine, "mf.shutdown()")
         if s.in_run and not _exiting:
             raise RuntimeError("mf.shutdown() was called inside the main function of mf.run(): "
                                "return from main instead; mf.run ends the computation then")
-        if s.engine is not None and not _exiting and not s.closed:
-            _check_thread(s.engine, "mf.shutdown()")
         s.close()
 
 
