@@ -326,6 +326,12 @@ def test_spin_us_zero_and_numbers_are_accepted(monkeypatch):
         assert s.engine.transport.spin_s == 7.5e-6
     with mf.init(contexts=2, spin_us=0) as s:
         assert s.engine.transport.spin_s == 0.0
+    # numpy's numbers as Python's (an np.int64 was refused, an np.float64 taken)
+    np = pytest.importorskip("numpy")
+    with mf.init(contexts=2, spin_us=np.int64(3)) as s:
+        assert s.engine.transport.spin_s == 3e-6
+    with pytest.raises(ValueError, match="spin_us must be a finite number"):
+        mf.init(contexts=2, spin_us=np.bool_(True))
 
 
 CTRL_C = """

@@ -739,6 +739,12 @@ def test_on_must_name_a_context(run):
 def test_decorator_misuse():
     with pytest.raises(TypeError, match="decorates a class"):
         mf.persistent(lambda: 1)
+    # (a built-in type failed with "cannot set '__mf_kind__' attribute of immutable type")
+    for deco, builtin in [(mf.persistent, int), (mf.regular, Exception)]:
+        with pytest.raises(TypeError, match=rf"@mf.{deco.__name__} decorates a class defined in "
+                                            rf"Python; {builtin.__name__} is a built-in"):
+            deco(builtin)
+        assert builtin.__dict__.get("__mf_kind__") is None
 
     with pytest.raises(TypeError, match="defines 'create'"):
         @mf.persistent

@@ -170,6 +170,11 @@ def test_shared_empty_bad_input():
         shared_empty((2, -1))
     with pytest.raises(TypeError, match="shape must be"):
         shared_empty("3")
+    # as numpy refuses them (a dict and an empty list's 0-d array, a bool's 1 element, were taken)
+    for shape in ({}, {2: 3}, {2}, True, np.bool_(False)):
+        with pytest.raises(TypeError, match="shape must be an int or a sequence of ints"):
+            shared_empty(shape)
+    assert shared_empty([]).shape == np.empty([]).shape == ()  # (numpy's own meaning)
     with pytest.raises(TypeError, match="Python objects"):
         shared_empty(3, object)
 

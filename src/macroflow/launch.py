@@ -22,6 +22,7 @@ import dataclasses
 import ctypes
 import errno
 import math
+import numbers
 import os
 import random
 import resource
@@ -158,7 +159,8 @@ def _pin(ctx: int, cpus: Optional[List[int]]) -> None:
 
 
 def _check_spin(value: Any, shown: Any, source: str) -> float:
-    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+    # (numpy's numbers too: each is a numbers.Real, but for its bool)
+    if (isinstance(value, numbers.Real) and not isinstance(value, bool)
             and math.isfinite(value) and value >= 0):
         return float(value)
     raise ValueError(f"{source} must be a finite number of microseconds >= 0 "

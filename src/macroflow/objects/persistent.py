@@ -399,9 +399,18 @@ def _check_guards(cls: type, what: str) -> None:
                     f"at; make {cls.__qualname__} @mf.persistent, or test the condition in the caller")
 
 
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class statement's (or type()'s)
+_IMMUTABLETYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: its attributes cannot be set
+
+
 def _check_class(cls: Any, what: str) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"@mf.{what} decorates a class; got {type(cls).__name__}")
+    if not cls.__flags__ & _HEAPTYPE or cls.__flags__ & _IMMUTABLETYPE:
+        name = cls.__qualname__
+        raise TypeError(f"@mf.{what} decorates a class defined in Python; {name} is a built-in "
+                        f"(or compiled) type, whose attributes cannot be set: decorate a "
+                        f"subclass of it (class My{name[:1].upper()}{name[1:]}({name}): ...)")
     kind = getattr(cls, "__mf_kind__", None)
     if kind not in (None, what):
         if "__mf_kind__" in cls.__dict__:
