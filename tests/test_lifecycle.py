@@ -1020,6 +1020,43 @@ FORKED_IN_A_METHOD = """
 """
 
 
+FORKED_CHILD_OWN = """
+    import os, sys
+    import macroflow as mf
+
+    @mf.persistent
+    class Fails:
+        def boom(self):
+            raise ValueError("the child's own")
+
+    def child_main():
+        try:
+            Fails.create(on=1).boom().result(30)
+        except ValueError as e:
+            return f"caught {e}"
+
+    mf.init(contexts=2, transport="local")
+    pid = os.fork()
+    if pid == 0:  # a computation of its own: its methods' errors are its calls' errors
+        print("child:", mf.run(child_main, contexts=2, transport="local"), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child status:", os.waitstatus_to_exitcode(status))
+    mf.shutdown()
+"""
+
+
+def test_a_child_forked_from_main_runs_a_computation_of_its_own_as_any_program(tmp_path):
+    # (a method that raised there ended its context, as if forked in a method)
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent(FORKED_CHILD_OWN))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["child: caught the child's own", "child status: 0"], \
+        (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize("transport", ["local", "tcp", "mpi"])
 def test_a_child_forked_in_a_method_neither_uses_its_context_nor_answers_for_it(
         tmp_path, transport):

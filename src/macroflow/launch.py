@@ -198,6 +198,7 @@ class Session:
         self.started = time.perf_counter()
         self.computation = new_computation_id()
         forget_learned()  # what an earlier computation here learned (see CallSite)
+        errors.forked_end = None  # (a child forked in a method may start its own)
         self.launcher: Launcher = (make_launcher or load_transport(transport).launcher)(self)
         try:
             self.engine = self.launcher.start(placement, spin_us)

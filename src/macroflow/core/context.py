@@ -4309,8 +4309,9 @@ def fork_away(engines: List[Any], ppid: int) -> None:
             svc.stopped = True  # its thread, its timer are the parent's
             if getattr(svc, "busy", False):
                 svc.busy = False
-    if engines:
-        # user code that raised into the engine (sys.exit in the child) ends the child
+    if isinstance(getcurrent(), Worker):
+        # forked in a method: its code that raises into the engine (sys.exit
+        # in the child) ends the child (a new computation there undoes it)
         errors.forked_end = _end_forked_child
 
 
