@@ -1646,14 +1646,7 @@ class Engine:
                 call.answered = True
                 slot.call = None
                 st.values_sent += 1
-                try:
-                    n = self.transport.send(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data],
-                                            self.active + self.base_load)
-                except ConnectionError:
-                    pass  # peer_lost has been (or will be) called with the reason
-                else:
-                    st.messages_sent += 1
-                    st.bytes_sent += n
+                self.send_frame(fid[0], [_VGET.pack(_V, True, fid[0], fid[1]) + data])
                 slot.state = FINISHED
                 slot.ok, slot.data = True, data
                 return
