@@ -357,14 +357,14 @@ class FirstToEnd:
         watcher could not see it itself (its parent reaped it first); ``code``
         is mpiexec's exit code.
         """
-        from macroflow.transport.base import describe_status
+        from macroflow.transport.base import describe_status, ended_how
         first = self.first
         if not first or os.path.exists(self.table + ".error"):
             return None  # (a rank's uncaught error ended the job: it was printed)
         rank, pid, host, status = first[0]
         reported = mpiexec_report(output)
         if status is not None and os.WIFSIGNALED(status):
-            how = f"was {describe_status(status)}"  # as mpiexec_report says it
+            how = ended_how(status)  # as mpiexec_report says it
         elif status is not None:
             how = f"{describe_status(status)} before the computation ended"
         elif reported is not None and reported[0] == pid:

@@ -54,7 +54,7 @@ from .core.threads import fork
 from .launch import ForkLauncher, node_name
 from .transport.local import LocalTransport, Mesh
 from .transport.multi import GUEST_BASE, MultiTransport
-from .transport.base import describe_status
+from .transport.base import ended_how
 
 #: seconds a worker waits for context 0 to answer its request to join
 JOIN_WAIT = 30.0
@@ -563,9 +563,8 @@ def _serve_group(ids: List[int], listeners: List[socket.socket], welcome: Dict[s
                 code = 1
                 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _LOST_MAIN:
                     continue  # it said why
-                how = describe_status(status)
-                was = "was " if os.WIFSIGNALED(status) else ""
-                print(f"macroflow worker: context {ctx} {was}{how}", file=out, flush=True)
+                print(f"macroflow worker: context {ctx} {ended_how(status)}", file=out,
+                      flush=True)
     except KeyboardInterrupt:
         # (a second Ctrl-C, or the computation's own interrupt reaching the
         # group, must not cut the stopping short: it left a traceback)

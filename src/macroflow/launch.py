@@ -758,13 +758,24 @@ def _check_thread(eng: Engine, what: str) -> None:
                            f"started the computation; call it from that thread")
 
 
-def _main_session(what: str) -> "Session":
+def _inside_user_code() -> Optional[str]:
+    """What user code a computation runs this thread is in ("method
+    Counter.add on context 1", "SPMD function f on context 0"), or None.
+
+    Example:
+        >>> _inside_user_code() is None  # (a program's own code)
+        True
+    """
     from .core.threads import Worker, getcurrent
     g = getcurrent()
-    if isinstance(g, Worker):
-        raise RuntimeError(f"{what} was called inside {g.engine.running(g.call)}: only the "
-                           f"program that started the computation (context 0's main) can do "
-                           f"that")
+    return g.engine.running(g.call) if isinstance(g, Worker) else None
+
+
+def _main_session(what: str) -> "Session":
+    inside = _inside_user_code()
+    if inside is not None:
+        raise RuntimeError(f"{what} was called inside {inside}: only the program that started "
+                           f"the computation (context 0's main) can do that")
     eng = _ctx._state.default
     cur = _ctx._state.current
     if cur is not None and eng is not None and cur is not eng:
@@ -1311,12 +1322,11 @@ def init(contexts: Optional[int] = None, transport: Optional[str] = None, placem
         ValueError: spin_us must be a finite number of microseconds >= 0 (0: never poll before sleeping); got 'fast'
     """
     if _ctx._state.default is not None:
-        from .core.threads import Worker, getcurrent
-        g = getcurrent()
-        if isinstance(g, Worker):
-            raise RuntimeError(f"mf.run()/mf.init() was called inside "
-                               f"{g.engine.running(g.call)}: code that a computation runs "
-                               f"cannot start another; make the calls it needs in this one")
+        inside = _inside_user_code()
+        if inside is not None:
+            raise RuntimeError(f"mf.run()/mf.init() was called inside {inside}: code that a "
+                               f"computation runs cannot start another; make the calls it "
+                               f"needs in this one")
         if threading.get_ident() != _ctx._state.default.thread:
             raise RuntimeError("a macroflow computation is already running in this process, "
                                "started by another thread; one process runs one computation "
@@ -1408,12 +1418,11 @@ def shutdown() -> None:
         >>> import macroflow as mf
         >>> mf.shutdown()   # nothing running: does nothing
     """
-    from .core.threads import Worker, getcurrent
-    g = getcurrent()
-    if isinstance(g, Worker):
-        raise RuntimeError(f"mf.shutdown() was called inside {g.engine.running(g.call)}: code "
-                           f"that a computation runs cannot end it; return, and let the "
-                           f"program that started it end it")
+    inside = _inside_user_code()
+    if inside is not None:
+        raise RuntimeError(f"mf.shutdown() was called inside {inside}: code that a computation "
+                           f"runs cannot end it; return, and let the program that started it "
+                           f"end it")
     for s in list(_sessions):
         if s.engine is not None and not _exiting and not s.closed:
             _check_thread(s.engine, "mf.shutdown()")

@@ -140,15 +140,16 @@ def _find(address: int, nbytes: int) -> Optional[Tuple[Tuple[int, int, int], int
 
 
 def _check_shape(shape: Any) -> Tuple[Tuple[int, ...], int]:
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+    wrong = f"shape must be an int or a sequence of ints, not {shape!r}"
+    # (as numpy's: not a bool, nor a dict or a set, whose order is no shape's)
+    if isinstance(shape, (bool, np.bool_, dict, set, frozenset, str, bytes)):
+        raise TypeError(wrong)
+    if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:
-        # (as numpy's: not a bool, nor a dict or a set, whose order is no shape's)
-        if isinstance(shape, (bool, np.bool_, dict, set, frozenset, str, bytes)):
-            raise TypeError
         shape = tuple(_index(s) for s in shape)
     except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
+        raise TypeError(wrong) from None
     if any(s < 0 for s in shape):
         raise ValueError(f"shape {shape} has a negative dimension; dimensions must be >= 0")
     count = 1

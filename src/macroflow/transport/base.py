@@ -159,9 +159,21 @@ def describe_status(status: int) -> str:
     return f"ended with status {status}"
 
 
+def ended_how(status: int) -> str:
+    """:func:`describe_status` as a clause of its own: what a process whose
+    ``waitpid`` status it is did.
+
+    Example:
+        >>> ended_how(9), ended_how(256)
+        ('was killed by signal SIGKILL', 'exited with code 1')
+    """
+    how = describe_status(status)
+    return f"was {how}" if os.WIFSIGNALED(status) else how
+
+
 def process_fate(pid: int, status: int) -> str:
-    """Say how process ``pid`` ended, as a context's loss gives it (a clause
-    of its own), from a ``waitpid`` status.
+    """Say how process ``pid`` ended, as a context's loss gives it, from a
+    ``waitpid`` status.
 
     Example:
         >>> process_fate(42, 9)
@@ -169,5 +181,4 @@ def process_fate(pid: int, status: int) -> str:
         >>> process_fate(42, 256)
         'its process (pid 42) exited with code 1'
     """
-    how = describe_status(status)
-    return f"its process (pid {pid}) {'was ' if os.WIFSIGNALED(status) else ''}{how}"
+    return f"its process (pid {pid}) {ended_how(status)}"

@@ -257,13 +257,13 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
     """
     per = CONTEXT_MEMORY if transport == "local" else INPROC_CONTEXT_MEMORY
     new = contexts - 1 if transport == "local" else contexts  # context 0 exists already
+    # (adding: ``contexts`` counts context 0, which is there already)
+    who = f"{new} more contexts" if adding else f"{contexts} contexts"
     avail = _mem_available()
     if avail is not None and new * per > avail:
         fit = avail // per + (1 if transport == "local" else 0)
-        # (adding: ``contexts`` counts context 0, which is there already)
-        what = f"{new} more contexts do" if adding else f"{contexts} contexts do"
         raise LimitError("memory", (
-            f"{what} not fit in this host's memory: they need about "
+            f"{who} do not fit in this host's memory: they need about "
             f"{new * per >> 20} MB ({_size(per)} per context on the {transport} transport) "
             f"and {avail >> 20} MB is available (MemAvailable in /proc/meminfo); "
             f"{room_advice(fit, adding)}, or free memory"))
@@ -283,8 +283,7 @@ def check_room(contexts: int, transport: str = "local", adding: bool = False) ->
         _soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
         shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
         raise LimitError("RLIMIT_NPROC", (
-            f"{f'{new} more contexts' if adding else f'{contexts} contexts'} need {new} new "
-            f"processes, but this user may start only "
+            f"{who} need {new} new processes, but this user may start only "
             f"{room} more (RLIMIT_NPROC soft limit {soft}, hard limit {shown}; "
             f"{running} processes and threads of this user are running); "
             f"{room_advice(room + 1, adding)}, or raise the limit with `ulimit -u N` in the shell that "

@@ -430,11 +430,12 @@ def _core() -> Tuple[type, Optional[str], Optional[str]]:
     return Core, None, bad
 
 
+#: IN_PYTHON: why the rings run their steps in Python here, or None;
+#: SETTING_ERROR: what is wrong with ``MACROFLOW_COMPILED``, or None (every
+#: start refuses it)
 _Core, IN_PYTHON, SETTING_ERROR = _core()
-#: What is wrong with ``MACROFLOW_COMPILED``, or None: every start refuses it.
 #: Whether rings run the compiled core (macroflow.transport._cring).
 COMPILED = IN_PYTHON is None
-#: (IN_PYTHON: why they run the same steps in Python here, or None)
 
 
 class Ring(_Core):
