@@ -957,9 +957,7 @@ def test_a_forked_child_can_neither_use_nor_end_its_parents_computation(tmp_path
     # internal error), and the child's exit stopped the parent's contexts
     if transport == "mpi" and _mpi.available() is not None:
         pytest.skip(str(_mpi.available()))
-    script = tmp_path / "forks.py"
-    script.write_text(textwrap.dedent(FORKED_CHILD))
-    out = subprocess.run([sys.executable, str(script), transport], capture_output=True,
+    out = subprocess.run([sys.executable, _script(tmp_path, FORKED_CHILD), transport], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "child: macroflow is not running in this process: it was forked" in out.stdout, \
@@ -1048,9 +1046,7 @@ FORKED_CHILD_OWN = """
 
 def test_a_child_forked_from_main_runs_a_computation_of_its_own_as_any_program(tmp_path):
     # (a method that raised there ended its context, as if forked in a method)
-    script = tmp_path / "own.py"
-    script.write_text(textwrap.dedent(FORKED_CHILD_OWN))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, _script(tmp_path, FORKED_CHILD_OWN)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["child: caught the child's own", "child status: 0"], \
@@ -1066,9 +1062,7 @@ def test_a_child_forked_in_a_method_neither_uses_its_context_nor_answers_for_it(
     # reply, and its sys.exit(0) failed the parent's call
     if transport == "mpi" and _mpi.available() is not None:
         pytest.skip(str(_mpi.available()))
-    script = tmp_path / "forks_in_method.py"
-    script.write_text(textwrap.dedent(FORKED_IN_A_METHOD))
-    out = subprocess.run([sys.executable, str(script), transport], capture_output=True,
+    out = subprocess.run([sys.executable, _script(tmp_path, FORKED_IN_A_METHOD), transport], capture_output=True,
                          text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
     refused = ("call: macroflow is not running in|own: macroflow is not running in|"
